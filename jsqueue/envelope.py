@@ -1,0 +1,260 @@
+"""The queue entry: envelope, recipients and their delivery state. Pure data, no I/O.
+
+An :class:`Entry` is what the KV bucket stores under the queue id. Each :class:`Recipient`
+carries its own state, attempts, last reply and next attempt time (DESIGN.md §2.4); the
+entry's state is derived from its recipients, never stored on its own.
+
+All timestamps are timezone-aware UTC datetimes; naive datetimes are rejected. Entries
+round-trip through JSON losslessly (:meth:`Entry.to_json` / :meth:`Entry.from_json`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+import idna
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from jsqueue.errors import InvalidName
+from jsqueue.names import check_domain
+
+
+def _utc(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        raise ValueError("timestamps must be timezone-aware")
+    return value.astimezone(UTC)
+
+
+UTCDateTime = Annotated[datetime, AfterValidator(_utc)]
+
+
+def utcnow() -> datetime:
+    """The current time as an aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+class RecipientState(StrEnum):
+    """Where one recipient stands.
+
+    ``pending``: not tried yet. ``active``: a worker holds a lease and is delivering.
+    ``deferred``: a temporary failure; retried at ``next_attempt_at``. ``delivered``: the next
+    hop accepted it (RFC 5321 §6.1: responsibility passed on). ``bounced``: a permanent
+    failure or expiry; a failure DSN is owed to the reverse-path (RFC 3464). ``failed``: a
+    permanent failure for which no DSN can be sent (null reverse-path, NOTIFY=NEVER, or
+    deleted/bounced by an operator without notice).
+    """
+
+    PENDING = "pending"
+    ACTIVE = "active"
+    DEFERRED = "deferred"
+    DELIVERED = "delivered"
+    BOUNCED = "bounced"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        """True for delivered, bounced and failed: nothing more will be attempted."""
+        return self in _FINAL
+
+
+_FINAL = frozenset({RecipientState.DELIVERED, RecipientState.BOUNCED, RecipientState.FAILED})
+
+
+class EntryState(StrEnum):
+    """An entry's overall state, derived from its recipients (see :attr:`Entry.state`)."""
+
+    HELD = "held"
+    ACTIVE = "active"
+    PENDING = "pending"
+    DEFERRED = "deferred"
+    DONE = "done"
+
+
+class Notify(StrEnum):
+    """RFC 3461 §4.1 NOTIFY values."""
+
+    NEVER = "NEVER"
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+    DELAY = "DELAY"
+
+
+class Reply(BaseModel):
+    """An SMTP reply: basic code, enhanced status code, text, and who sent it.
+
+    ``text`` keeps every line of a multi-line reply, joined with ``\\n`` (RFC 5321 §4.2.1).
+    ``remote_host`` is the MX host name (or address) that answered; None when jsqueue
+    synthesised the reply itself (DNS failure, timeout, expiry).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    code: int = Field(ge=200, le=599)
+    enhanced: str | None = None
+    text: str = ""
+    remote_host: str | None = None
+
+    @property
+    def is_permanent(self) -> bool:
+        """5yz: permanent negative completion (RFC 5321 §4.2.1)."""
+        return self.code >= 500
+
+    @property
+    def is_temporary(self) -> bool:
+        """4yz: transient negative completion (RFC 5321 §4.2.1)."""
+        return 400 <= self.code < 500
+
+    @property
+    def is_success(self) -> bool:
+        """2yz: positive completion (RFC 5321 §4.2.1)."""
+        return 200 <= self.code < 300
+
+    def __str__(self) -> str:
+        lines = self.text.split("\n") if self.text else [""]
+        prefix = f"{self.code} {self.enhanced} " if self.enhanced else f"{self.code} "
+        return " ".join(prefix + line if i == 0 else line for i, line in enumerate(lines)).strip()
+
+
+class Recipient(BaseModel):
+    """One forward-path of the envelope and its delivery state.
+
+    ``address`` is the forward-path as received (UTF-8 local parts allowed, RFC 6531);
+    ``domain`` is the routing domain: the A-label, lower-case form used for MX lookup,
+    subjects and keys. ``orcpt`` and ``notify`` are the RFC 3461 §4.2 / §4.1 parameters
+    (``notify`` None means the default, FAILURE[,DELAY] at the MTA's discretion).
+    """
+
+    address: str
+    domain: str
+    orcpt: str | None = None
+    notify: frozenset[Notify] | None = None
+    state: RecipientState = RecipientState.PENDING
+    attempts: int = Field(default=0, ge=0)
+    last_attempt_at: UTCDateTime | None = None
+    next_attempt_at: UTCDateTime | None = None
+    last_reply: Reply | None = None
+    delay_notified_at: UTCDateTime | None = None
+    dsn_sent: bool = False
+
+    @classmethod
+    def from_address(
+        cls, address: str, *, orcpt: str | None = None, notify: frozenset[Notify] | None = None
+    ) -> Recipient:
+        """Build a pending recipient, deriving its routing domain.
+
+        Raises:
+            InvalidName: the address has no usable domain.
+        """
+        return cls(address=address, domain=routing_domain(address), orcpt=orcpt, notify=notify)
+
+
+class Lease(BaseModel):
+    """A worker's claim on delivering one destination domain of an entry (DESIGN.md §2.3)."""
+
+    owner: str
+    until: UTCDateTime
+
+
+class Entry(BaseModel):
+    """One queued message: the envelope plus every recipient's delivery state.
+
+    ``reverse_path`` is the MAIL FROM address without brackets; ``""`` is the null
+    reverse-path ``<>`` used by DSNs (RFC 5321 §4.5.5). ``generation`` is bumped by admin
+    actions that re-schedule the entry; work items carrying an older generation are stale.
+    """
+
+    id: str
+    reverse_path: str
+    recipients: list[Recipient]
+    created_at: UTCDateTime
+    size: int = Field(ge=0)
+    digest: str = ""
+    helo: str | None = None
+    client_address: str | None = None
+    envid: str | None = None
+    ret: Literal["FULL", "HDRS"] | None = None
+    smtputf8: bool = False
+    body_8bit: bool = False
+    generation: int = 0
+    held: bool = False
+    last_error: str | None = None
+    leases: dict[str, Lease] = Field(default_factory=dict)
+    is_dsn: bool = False
+
+    @property
+    def state(self) -> EntryState:
+        """Overall state, derived from the recipients and the hold flag.
+
+        held > active (any recipient being delivered) > pending > deferred > done.
+        """
+        states = {r.state for r in self.recipients}
+        if self.held and not states <= _FINAL:
+            return EntryState.HELD
+        for rs, es in (
+            (RecipientState.ACTIVE, EntryState.ACTIVE),
+            (RecipientState.PENDING, EntryState.PENDING),
+            (RecipientState.DEFERRED, EntryState.DEFERRED),
+        ):
+            if rs in states:
+                return es
+        return EntryState.DONE
+
+    @property
+    def is_final(self) -> bool:
+        """True when every recipient is delivered, bounced or failed."""
+        return all(r.state.is_final for r in self.recipients)
+
+    @property
+    def domains(self) -> list[str]:
+        """Distinct routing domains of the recipients, in first-seen order."""
+        return list(dict.fromkeys(r.domain for r in self.recipients))
+
+    def open_recipients(self, domain: str) -> list[Recipient]:
+        """Recipients of ``domain`` that still need a delivery attempt (not final)."""
+        return [r for r in self.recipients if r.domain == domain and not r.state.is_final]
+
+    def due_at(self, domain: str) -> datetime | None:
+        """When the next attempt for ``domain`` is due: the earliest ``next_attempt_at`` of its
+        open recipients (a pending recipient with none set is due at once); None when the
+        domain has no open recipient."""
+        open_ = self.open_recipients(domain)
+        if not open_:
+            return None
+        return min(r.next_attempt_at or self.created_at for r in open_)
+
+    def to_json(self) -> bytes:
+        """Serialise to UTF-8 JSON (the KV value)."""
+        return self.model_dump_json(exclude_defaults=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Entry:
+        """Parse a KV value written by :meth:`to_json`.
+
+        Raises:
+            pydantic.ValidationError: the bytes are not a valid entry.
+        """
+        return cls.model_validate_json(data)
+
+
+def routing_domain(address: str) -> str:
+    """The routing domain of a mailbox: the part after the last ``@``, as an A-label.
+
+    U-labels are converted to A-labels with IDNA 2008 / UTS #46 (RFC 5890, RFC 6531 §3.2:
+    the MX lookup uses the A-label form). The local part is never touched.
+
+    Raises:
+        InvalidName: no ``@``, an empty domain, or a domain that cannot be an A-label.
+    """
+    _, at, domain = address.rpartition("@")
+    if not at or not domain:
+        raise InvalidName(f"address {address!r} has no domain")
+    domain = domain.rstrip(".")
+    if domain.startswith("[") and domain.endswith("]"):
+        return check_domain(domain)
+    try:
+        ascii_domain = domain if domain.isascii() else idna.encode(domain, uts46=True).decode()
+    except idna.IDNAError as e:
+        raise InvalidName(f"domain {domain!r} cannot be converted to an A-label") from e
+    return check_domain(ascii_domain)

@@ -1,0 +1,93 @@
+"""The whole jsqueue exception tree.
+
+::
+
+    JsqueueError
+    ├── ConfigError                 a setting is missing or invalid (names the setting)
+    ├── InvalidName                 an id / domain / key would break a subject or key
+    ├── StoreError                  the storage layer failed
+    │   ├── StoreUnavailable        NATS unreachable, timed out, or refused the request
+    │   ├── EntryNotFound           no entry under that queue id
+    │   ├── EntryExists             create-if-absent found an entry already there
+    │   ├── RevisionConflict        compare-and-set lost: the entry changed meanwhile
+    │   ├── BodyNotFound            no body stored under that queue id
+    │   └── BodyCorrupt             the stored body does not match its SHA-256 digest
+    ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
+    └── DeliveryError               one delivery attempt failed
+        ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
+        └── PermanentDeliveryError  give up and bounce (5xx, NXDOMAIN, null MX ...)
+
+Adapters translate library errors (nats, aiosmtplib, dnspython) into this tree at the
+boundary with ``raise ... from e``; nothing above the adapters catches library errors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jsqueue.envelope import Reply
+
+
+class JsqueueError(Exception):
+    """Root of every error jsqueue raises on purpose."""
+
+
+class ConfigError(JsqueueError):
+    """A setting is missing or invalid; the message names the setting and the reason."""
+
+
+class InvalidName(JsqueueError, ValueError):
+    """A queue id, domain or key token contains characters a NATS subject or KV key cannot hold."""
+
+
+class StoreError(JsqueueError):
+    """The storage layer failed."""
+
+
+class StoreUnavailable(StoreError):
+    """NATS could not be reached, timed out, or refused the request (e.g. bucket full)."""
+
+
+class EntryNotFound(StoreError):
+    """No queue entry exists under the given queue id."""
+
+
+class EntryExists(StoreError):
+    """Create-if-absent found an entry already stored under the queue id."""
+
+
+class RevisionConflict(StoreError):
+    """A compare-and-set update lost the race: the stored revision is not the expected one."""
+
+
+class BodyNotFound(StoreError):
+    """No message body is stored under the given queue id."""
+
+
+class BodyCorrupt(StoreError):
+    """The stored body's bytes do not match the recorded SHA-256 digest."""
+
+
+class ProvisioningError(JsqueueError):
+    """An existing bucket, stream or consumer has settings that could not be brought in line."""
+
+
+class DeliveryError(JsqueueError):
+    """One delivery attempt failed.
+
+    Attributes:
+        reply: the remote (or synthesised) SMTP reply that explains the failure.
+    """
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(str(reply))
+        self.reply = reply
+
+
+class TemporaryDeliveryError(DeliveryError):
+    """A 4xx-class failure: the recipient is deferred and retried (RFC 5321 §4.2.1)."""
+
+
+class PermanentDeliveryError(DeliveryError):
+    """A 5xx-class failure: the recipient is bounced, never retried (RFC 5321 §4.2.1)."""

@@ -1,0 +1,254 @@
+"""The pluggable storage layer: body store, entry store and scheduler (Protocols).
+
+Each Protocol has a JetStream implementation (:mod:`jsqueue.store.jetstream`) and an
+in-memory one (:mod:`jsqueue.store.memory`) with the same semantics, revision conflicts
+included; ``tests/test_store_contract.py`` runs one suite against both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from jsqueue.envelope import Entry, EntryState
+
+
+@dataclass(frozen=True)
+class BodyInfo:
+    """What the body store knows of a stored body: size in octets and SHA-256 hex digest."""
+
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """An entry together with the store revision it was read at (the CAS token)."""
+
+    entry: Entry
+    revision: int
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A trigger: deliver queue entry ``queue_id`` to destination ``domain``.
+
+    ``generation`` must equal the entry's generation when it arrives, otherwise the item is
+    stale (superseded by a flush) and is dropped (DESIGN.md §2.2).
+    """
+
+    queue_id: str
+    domain: str
+    generation: int = 0
+
+
+@runtime_checkable
+class BodyStore(Protocol):
+    """Raw RFC 5322 message bodies keyed by queue id. Bodies are streamed, never held whole."""
+
+    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+        """Store a body from a stream of byte chunks; replaces any body under the same id.
+
+        Returns:
+            size (octets) and SHA-256 hex digest of what was stored.
+
+        Raises:
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed; nothing usable is left behind.
+        """
+        ...
+
+    def open(self, queue_id: str) -> AsyncIterator[bytes]:
+        """Stream a stored body chunk by chunk.
+
+        The digest is checked as the stream ends: a mismatch raises :class:`BodyCorrupt`
+        from the iterator instead of finishing, so a consumer that sends the final chunk only
+        after the iterator is exhausted never delivers a damaged body.
+
+        Raises:
+            BodyNotFound: nothing stored under the id.
+            BodyCorrupt: the bytes do not match the stored digest.
+            StoreUnavailable: the backend failed.
+        """
+        ...
+
+    async def info(self, queue_id: str) -> BodyInfo:
+        """Size and digest of a stored body.
+
+        Raises:
+            BodyNotFound, StoreUnavailable.
+        """
+        ...
+
+    async def delete(self, queue_id: str) -> None:
+        """Delete a body. Idempotent: deleting a missing body is not an error.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+
+@runtime_checkable
+class EntryStore(Protocol):
+    """Queue entries keyed by queue id, updated only by compare-and-set on the revision."""
+
+    async def create(self, entry: Entry) -> int:
+        """Store a new entry if none exists under its id.
+
+        Returns:
+            the new revision.
+
+        Raises:
+            EntryExists: an entry (not deleted) is already stored under the id.
+            InvalidName, StoreUnavailable.
+        """
+        ...
+
+    async def get(self, queue_id: str) -> Versioned:
+        """Read an entry and its revision.
+
+        Raises:
+            EntryNotFound, InvalidName, StoreUnavailable.
+        """
+        ...
+
+    async def update(self, entry: Entry, revision: int) -> int:
+        """Replace the entry if its stored revision is still ``revision`` (compare-and-set).
+
+        Returns:
+            the new revision.
+
+        Raises:
+            RevisionConflict: the entry changed (or was deleted) since ``revision`` was read.
+            StoreUnavailable.
+        """
+        ...
+
+    async def delete(self, queue_id: str, revision: int | None = None) -> None:
+        """Delete an entry; with ``revision``, only if it is still at that revision.
+
+        Idempotent without ``revision``: deleting a missing entry is not an error.
+
+        Raises:
+            RevisionConflict: ``revision`` given and the entry changed meanwhile.
+            StoreUnavailable.
+        """
+        ...
+
+    async def page(
+        self, *, state: EntryState | None = None, after: str | None = None, limit: int = 100
+    ) -> list[Versioned]:
+        """One page of entries in queue-id (arrival) order, optionally of one state.
+
+        Reads only as far as needed to fill the page, never the whole bucket up front.
+
+        Args:
+            state: only entries whose derived state is this.
+            after: resume after this queue id (the last id of the previous page).
+            limit: at most this many entries (1..10000).
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def count_by_state(self) -> dict[EntryState, int]:
+        """Number of entries in each derived state (states with none are omitted).
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+
+@runtime_checkable
+class Due(Protocol):
+    """A work item handed to a worker because it is due. Only the worker settles it.
+
+    Exactly one of :meth:`ack`, :meth:`retry` or :meth:`term` settles the item; until then
+    it is redelivered after the ack wait unless :meth:`in_progress` extends it.
+    """
+
+    item: WorkItem
+    deliveries: int
+
+    async def ack(self) -> None:
+        """Done: the item is removed for good."""
+        ...
+
+    async def retry(self, delay_s: float) -> None:
+        """Hand the item back to be delivered again in ``delay_s`` seconds (>= 0)."""
+        ...
+
+    async def term(self) -> None:
+        """Drop the item without delivering it again (stale, entry gone)."""
+        ...
+
+    async def in_progress(self) -> None:
+        """Still working: restart the ack-wait timer."""
+        ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """When to deliver what: the work stream (JetStream) or a heap (memory)."""
+
+    async def schedule(self, item: WorkItem, at: datetime | None = None) -> None:
+        """Make ``item`` due at ``at`` (now when None).
+
+        Idempotent per (queue id, domain, generation) within the dedupe window.
+
+        Raises:
+            InvalidName, StoreUnavailable.
+        """
+        ...
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[Due]:
+        """Wait up to ``timeout_s`` seconds for at most ``batch`` due items.
+
+        Items that arrive before their scheduled time are handed back with the remaining
+        delay, not returned. Returns an empty list on timeout.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def flush(self, item: WorkItem) -> None:
+        """Replace every scheduled item of (queue id, domain) by ``item``, due now.
+
+        Takes effect within about a second however long the old delay was (DESIGN.md §4).
+
+        Raises:
+            InvalidName, StoreUnavailable.
+        """
+        ...
+
+    async def cancel(self, queue_id: str) -> None:
+        """Remove every scheduled item of an entry. Idempotent.
+
+        Raises:
+            InvalidName, StoreUnavailable.
+        """
+        ...
+
+    async def backlog(self) -> int:
+        """Items scheduled and not yet settled (due, deferred and in flight).
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class Stores:
+    """One backend's body store, entry store and scheduler, plus how to close them."""
+
+    bodies: BodyStore
+    entries: EntryStore
+    scheduler: Scheduler
+    close: Callable[[], Awaitable[None]]

@@ -1,0 +1,274 @@
+"""In-memory body store, entry store and scheduler with the same semantics as JetStream.
+
+For tests and for reasoning about the contract; nothing here survives the process. The
+contract suite (``tests/test_store_contract.py``) runs against these and the JetStream
+implementations alike, revision conflicts and ack-wait redelivery included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import heapq
+import itertools
+from collections.abc import AsyncIterable, AsyncIterator
+from datetime import datetime
+
+from jsqueue.envelope import Entry, EntryState, utcnow
+from jsqueue.errors import (
+    BodyCorrupt,
+    BodyNotFound,
+    EntryExists,
+    EntryNotFound,
+    RevisionConflict,
+)
+from jsqueue.names import check_domain, check_queue_id
+from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem
+
+CHUNK = 256 * 1024
+
+
+class MemoryBodyStore:
+    """:class:`~jsqueue.store.base.BodyStore` in a dict."""
+
+    def __init__(self) -> None:
+        self._bodies: dict[str, tuple[bytes, str]] = {}
+
+    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+        """See :meth:`BodyStore.put`."""
+        check_queue_id(queue_id)
+        digest = hashlib.sha256()
+        parts = []
+        async for chunk in chunks:
+            digest.update(chunk)
+            parts.append(chunk)
+        data = b"".join(parts)
+        self._bodies[queue_id] = (data, digest.hexdigest())
+        return BodyInfo(size=len(data), digest=digest.hexdigest())
+
+    async def open(self, queue_id: str) -> AsyncIterator[bytes]:
+        """See :meth:`BodyStore.open`."""
+        check_queue_id(queue_id)
+        try:
+            data, expected = self._bodies[queue_id]
+        except KeyError:
+            raise BodyNotFound(queue_id) from None
+        digest = hashlib.sha256()
+        for i in range(0, len(data), CHUNK):
+            chunk = data[i : i + CHUNK]
+            digest.update(chunk)
+            if i + CHUNK >= len(data) and digest.hexdigest() != expected:
+                raise BodyCorrupt(f"body {queue_id}: digest mismatch")
+            yield chunk
+        if not data and digest.hexdigest() != expected:
+            raise BodyCorrupt(f"body {queue_id}: digest mismatch")
+
+    async def info(self, queue_id: str) -> BodyInfo:
+        """See :meth:`BodyStore.info`."""
+        check_queue_id(queue_id)
+        try:
+            data, digest = self._bodies[queue_id]
+        except KeyError:
+            raise BodyNotFound(queue_id) from None
+        return BodyInfo(size=len(data), digest=digest)
+
+    async def delete(self, queue_id: str) -> None:
+        """See :meth:`BodyStore.delete`."""
+        self._bodies.pop(check_queue_id(queue_id), None)
+
+    def corrupt(self, queue_id: str) -> None:
+        """Test hook: flip one stored byte so the digest no longer matches."""
+        data, digest = self._bodies[queue_id]
+        flipped = bytes([data[0] ^ 1]) + data[1:] if data else b"x"
+        self._bodies[queue_id] = (flipped, digest)
+
+
+class MemoryEntryStore:
+    """:class:`~jsqueue.store.base.EntryStore` in a dict, with a global revision counter."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[bytes, int]] = {}
+        self._seq = itertools.count(1)
+
+    async def create(self, entry: Entry) -> int:
+        """See :meth:`EntryStore.create`."""
+        check_queue_id(entry.id)
+        if entry.id in self._entries:
+            raise EntryExists(entry.id)
+        rev = next(self._seq)
+        self._entries[entry.id] = (entry.to_json(), rev)
+        return rev
+
+    async def get(self, queue_id: str) -> Versioned:
+        """See :meth:`EntryStore.get`."""
+        check_queue_id(queue_id)
+        try:
+            data, rev = self._entries[queue_id]
+        except KeyError:
+            raise EntryNotFound(queue_id) from None
+        return Versioned(Entry.from_json(data), rev)
+
+    async def update(self, entry: Entry, revision: int) -> int:
+        """See :meth:`EntryStore.update`."""
+        current = self._entries.get(check_queue_id(entry.id))
+        if current is None or current[1] != revision:
+            raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
+        rev = next(self._seq)
+        self._entries[entry.id] = (entry.to_json(), rev)
+        return rev
+
+    async def delete(self, queue_id: str, revision: int | None = None) -> None:
+        """See :meth:`EntryStore.delete`."""
+        current = self._entries.get(check_queue_id(queue_id))
+        if revision is not None and (current is None or current[1] != revision):
+            raise RevisionConflict(f"entry {queue_id}: expected revision {revision}")
+        self._entries.pop(queue_id, None)
+
+    async def page(
+        self, *, state: EntryState | None = None, after: str | None = None, limit: int = 100
+    ) -> list[Versioned]:
+        """See :meth:`EntryStore.page`."""
+        out: list[Versioned] = []
+        for qid in sorted(self._entries):
+            if after is not None and qid <= after:
+                continue
+            data, rev = self._entries[qid]
+            entry = Entry.from_json(data)
+            if state is None or entry.state == state:
+                out.append(Versioned(entry, rev))
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def count_by_state(self) -> dict[EntryState, int]:
+        """See :meth:`EntryStore.count_by_state`."""
+        counts: dict[EntryState, int] = {}
+        for data, _ in self._entries.values():
+            st = Entry.from_json(data).state
+            counts[st] = counts.get(st, 0) + 1
+        return counts
+
+
+class _MemoryDue:
+    def __init__(self, sched: MemoryScheduler, item: WorkItem, token: int, deliveries: int):
+        self.item = item
+        self.deliveries = deliveries
+        self._sched = sched
+        self._token = token
+
+    async def ack(self) -> None:
+        self._sched._settle(self._token)
+
+    async def term(self) -> None:
+        self._sched._settle(self._token)
+
+    async def retry(self, delay_s: float) -> None:
+        if self._sched._settle(self._token):
+            self._sched._push(self.item, self._sched._now() + max(0.0, delay_s), self.deliveries)
+
+    async def in_progress(self) -> None:
+        self._sched._touch(self._token)
+
+
+class MemoryScheduler:
+    """:class:`~jsqueue.store.base.Scheduler` on a heap of (due time, item).
+
+    Like the JetStream consumer, an item handed out and not settled within ``ack_wait_s``
+    comes back (with its delivery count raised).
+    """
+
+    def __init__(self, ack_wait_s: float = 30.0) -> None:
+        self.ack_wait_s = ack_wait_s
+        self._heap: list[tuple[float, int, WorkItem, int]] = []
+        self._inflight: dict[int, tuple[WorkItem, float, int]] = {}
+        self._counter = itertools.count()
+        self._changed = asyncio.Event()
+
+    @staticmethod
+    def _now() -> float:
+        return utcnow().timestamp()
+
+    def _push(self, item: WorkItem, due: float, deliveries: int) -> None:
+        heapq.heappush(self._heap, (due, next(self._counter), item, deliveries))
+        self._changed.set()
+
+    def _settle(self, token: int) -> bool:
+        return self._inflight.pop(token, None) is not None
+
+    def _touch(self, token: int) -> None:
+        if token in self._inflight:
+            item, _, deliveries = self._inflight[token]
+            self._inflight[token] = (item, self._now() + self.ack_wait_s, deliveries)
+
+    def _expire_inflight(self, now: float) -> None:
+        for token, (item, deadline, deliveries) in list(self._inflight.items()):
+            if deadline <= now:
+                del self._inflight[token]
+                self._push(item, now, deliveries)
+
+    def _matches(self, item: WorkItem, queue_id: str, domain: str | None) -> bool:
+        return item.queue_id == queue_id and (domain is None or item.domain == domain)
+
+    async def schedule(self, item: WorkItem, at: datetime | None = None) -> None:
+        """See :meth:`Scheduler.schedule`."""
+        check_queue_id(item.queue_id)
+        check_domain(item.domain)
+        for _, _, queued, _ in self._heap:
+            if queued == item:
+                return
+        self._push(item, at.timestamp() if at else self._now(), 0)
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[Due]:
+        """See :meth:`Scheduler.fetch`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            now = self._now()
+            self._expire_inflight(now)
+            out: list[Due] = []
+            while self._heap and self._heap[0][0] <= now and len(out) < batch:
+                _, token, item, deliveries = heapq.heappop(self._heap)
+                self._inflight[token] = (item, now + self.ack_wait_s, deliveries + 1)
+                out.append(_MemoryDue(self, item, token, deliveries + 1))
+            remaining = deadline - loop.time()
+            if out or remaining <= 0:
+                return out
+            wake = [remaining]
+            if self._heap:
+                wake.append(max(0.0, self._heap[0][0] - now))
+            wake += [max(0.0, d - now) for _, d, _ in self._inflight.values()]
+            self._changed.clear()
+            # A timeout here only means "time to look at the heap again".
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(wake) + 0.001)
+
+    async def flush(self, item: WorkItem) -> None:
+        """See :meth:`Scheduler.flush`."""
+        self._remove(item.queue_id, item.domain)
+        self._push(item, self._now(), 0)
+
+    async def cancel(self, queue_id: str) -> None:
+        """See :meth:`Scheduler.cancel`."""
+        check_queue_id(queue_id)
+        self._remove(queue_id, None)
+
+    def _remove(self, queue_id: str, domain: str | None) -> None:
+        self._heap = [h for h in self._heap if not self._matches(h[2], queue_id, domain)]
+        heapq.heapify(self._heap)
+        for token, (item, _, _) in list(self._inflight.items()):
+            if self._matches(item, queue_id, domain):
+                del self._inflight[token]
+
+    async def backlog(self) -> int:
+        """See :meth:`Scheduler.backlog`."""
+        return len(self._heap) + len(self._inflight)
+
+
+def open_memory(ack_wait_s: float = 30.0) -> Stores:
+    """A fresh in-memory body store, entry store and scheduler."""
+
+    async def _close() -> None:
+        return None
+
+    return Stores(MemoryBodyStore(), MemoryEntryStore(), MemoryScheduler(ack_wait_s), _close)
