@@ -8,6 +8,7 @@ space) or a KV key raises :class:`~jsqueue.errors.InvalidName` before it reaches
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -40,6 +41,21 @@ def new_queue_id(now_ms: int | None = None) -> str:
         chars.append(_CROCKFORD[value & 31])
         value >>= 5
     return "".join(reversed(chars))
+
+
+def derived_queue_id(base_id: str, key: str) -> str:
+    """A deterministic queue id for something derived from entry ``base_id`` (e.g. its DSN).
+
+    The first 10 characters (the time part) are the base id's; the other 16 come from the
+    SHA-256 of ``key``. Creating the derived entry twice therefore hits the same key, and
+    create-if-absent makes the second attempt a no-op.
+
+    Raises:
+        InvalidName: ``base_id`` is not a queue id.
+    """
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:10], "big")
+    tail = "".join(_CROCKFORD[(digest >> (5 * i)) & 31] for i in reversed(range(16)))
+    return check_queue_id(base_id)[:10] + tail
 
 
 def check_queue_id(queue_id: str) -> str:

@@ -1,0 +1,45 @@
+"""Logging set-up: readable lines by default, one JSON object per line when configured."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+
+from jsqueue.config import LogSettings
+
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, logger, message and any
+    ``extra`` fields (queue_id, recipient, outcome ...)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render ``record`` as a JSON line."""
+        out = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(settings: LogSettings) -> None:
+    """Configure the root logger from the ``log`` settings section. Idempotent."""
+    handler = logging.StreamHandler()
+    if settings.json_format:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.level)
+    # aiosmtpd logs every command line at INFO; keep that for DEBUG runs only.
+    logging.getLogger("mail.log").setLevel(
+        logging.DEBUG if settings.level == "DEBUG" else logging.WARNING
+    )

@@ -1,0 +1,156 @@
+"""Composition: wire settings, NATS, stores, front end and worker into running services.
+
+Thin by design (STYLE.md): everything here only builds objects from settings and runs them
+until a stop event is set (SIGTERM/SIGINT in the CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
+
+from jsqueue.bounce import DsnNotifier
+from jsqueue.config import Settings, WorkerSettings
+from jsqueue.delivery import BodySource, DeliveryEnvelope, Resolver, deliver_domain
+from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
+from jsqueue.envelope import Entry, Recipient, Reply
+from jsqueue.frontend import serve_smtp
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.retry import RetryPolicy
+from jsqueue.store.base import Stores
+from jsqueue.store.cache import CachedBodyStore
+from jsqueue.store.jetstream import open_jetstream
+from jsqueue.worker import BodySource as WorkerBody
+from jsqueue.worker import Worker
+
+log = logging.getLogger("jsqueue")
+
+
+class SmtpDeliverer:
+    """The worker's :class:`~jsqueue.worker.Deliverer`: MX lookup plus one SMTP attempt.
+
+    Args:
+        resolver: MX (or smarthost) resolution.
+        settings: the ``worker`` settings section (timeouts, TLS policy, port).
+    """
+
+    def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
+        self.resolver = resolver
+        self.settings = settings
+
+    async def deliver(
+        self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: WorkerBody
+    ) -> Mapping[str, Reply]:
+        """See :meth:`jsqueue.worker.Deliverer.deliver`."""
+        envelope = DeliveryEnvelope(
+            domain=domain,
+            reverse_path=entry.reverse_path,
+            recipients=tuple(recipients),
+            smtputf8=entry.smtputf8,
+            body_8bit=entry.body_8bit,
+            envid=entry.envid,
+            ret=entry.ret,
+        )
+        result = await deliver_domain(
+            self.resolver, envelope, BodySource(open=body, size=entry.size), self.settings
+        )
+        return result.replies
+
+
+def nats_urls(settings: Settings) -> list[str]:
+    """Configured NATS URLs, else the local server on ``nats.port``."""
+    return list(settings.nats.urls) or [f"nats://127.0.0.1:{settings.nats.port}"]
+
+
+@contextlib.asynccontextmanager
+async def embedded_nats(settings: Settings) -> AsyncIterator[list[str]]:
+    """Start the embedded nats-server unless NATS URLs are configured; yield the URLs.
+
+    Raises:
+        JsqueueError: the binary is missing or the port is taken.
+    """
+    if settings.nats.urls:
+        yield list(settings.nats.urls)
+        return
+    server = EmbeddedNats(
+        settings.nats.store_dir, port=settings.nats.port, config_file=settings.nats.config_file
+    )
+    await server.start()
+    log.info("embedded nats-server on %s (store %s)", server.url, settings.nats.store_dir)
+    try:
+        yield [server.url]
+    finally:
+        await server.stop()
+
+
+def build_worker(settings: Settings, stores: Stores, resolver: Resolver | None = None) -> Worker:
+    """A worker over ``stores`` with a bounded body cache, DSNs and the retry policies.
+
+    Args:
+        settings: all settings.
+        stores: the queue's stores.
+        resolver: MX resolution; from ``settings.worker`` when None.
+    """
+    cached = replace(
+        stores,
+        bodies=CachedBodyStore(
+            stores.bodies,
+            settings.worker.body_cache_bytes,
+            settings.worker.body_cache_dir,
+        ),
+    )
+    policy = RetryPolicy.from_settings(settings.retry)
+    return Worker(
+        cached,
+        SmtpDeliverer(resolver or _resolver_from_settings(settings.worker), settings.worker),
+        DsnNotifier(cached, settings.dsn, policy),
+        settings.worker,
+        policy,
+        RetryPolicy.from_settings(settings.retry, dsn=True),
+        ack_wait_s=settings.nats.ack_wait_s,
+    )
+
+
+async def run_services(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    smtp: bool,
+    worker: bool,
+    embedded: bool,
+) -> None:
+    """Run the front end and/or a worker until ``stop`` is set, then shut down in order.
+
+    Args:
+        settings: all settings.
+        stop: set to shut down (front end stops accepting, worker drains).
+        smtp: run the SMTP front end.
+        worker: run a delivery worker.
+        embedded: start the embedded nats-server when no NATS URL is configured.
+
+    Raises:
+        StoreUnavailable: NATS unreachable at start.
+        ConfigError, ProvisioningError, OSError (listen address taken).
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        if embedded:
+            urls = await stack.enter_async_context(embedded_nats(settings))
+        else:
+            urls = nats_urls(settings)
+        stores = await open_jetstream(settings.nats, urls)
+        stack.push_async_callback(stores.close)
+        tasks: list[asyncio.Task[None]] = []
+        if smtp:
+            server = await serve_smtp(settings.smtp, stores)
+            stack.push_async_callback(server.stop)
+        if worker:
+            w = build_worker(settings, stores)
+            tasks.append(asyncio.create_task(w.run(stop)))
+        log.info("jsqueue running (smtp=%s, worker=%s)", smtp, worker)
+        await stop.wait()
+        log.info("jsqueue shutting down")
+        if tasks:
+            await asyncio.gather(*tasks)

@@ -1,0 +1,332 @@
+"""The delivery worker: fetch, check, claim, deliver, record, ack. Orchestration only.
+
+Any number of workers share one durable consumer (DESIGN.md §1). For each due work item a
+worker re-reads the entry (KV is the truth, §2.2), claims the destination with a lease by
+compare-and-set (§2.3), delivers over SMTP, records each recipient's reply by
+compare-and-set, sends the DSNs a settled entry owes, and only then settles the work item:
+ack when nothing of the destination is left, NAK with the retry delay otherwise.
+
+The only duplicate-send window is a crash between the remote 250 and the recording CAS,
+which SMTP itself cannot close (RFC 5321 §6.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Protocol
+
+from jsqueue import state
+from jsqueue.config import WorkerSettings
+from jsqueue.envelope import Entry, Recipient, Reply, utcnow
+from jsqueue.errors import EntryNotFound, RevisionConflict, StoreUnavailable
+from jsqueue.retry import RetryPolicy
+from jsqueue.store.base import Due, Stores, Versioned
+
+log = logging.getLogger("jsqueue.worker")
+
+BodySource = Callable[[], AsyncIterator[bytes]]
+"""Re-openable body: each call streams the raw message (CRLF line ends) from the start."""
+
+CAS_TRIES = 5
+
+
+class Deliverer(Protocol):
+    """Delivers one entry's open recipients of one destination domain (one attempt)."""
+
+    async def deliver(
+        self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
+    ) -> Mapping[str, Reply]:
+        """One attempt: MX lookup, SMTP session(s); a reply for every recipient address.
+
+        Never raises for remote or DNS trouble: failures come back as 4yz/5yz replies.
+        """
+        ...
+
+
+class Notifier(Protocol):
+    """Sends the DSNs a settled entry owes (RFC 3464); see :mod:`jsqueue.bounce`."""
+
+    async def notify(self, entry: Entry, now: datetime) -> Entry | None:
+        """Enqueue every DSN owed; return the entry marked as notified, None if none owed.
+
+        Idempotent: a DSN enqueued twice for the same event is stored once.
+        """
+        ...
+
+
+class Worker:
+    """One worker process's delivery loop.
+
+    Args:
+        stores: body store, entry store and scheduler.
+        deliverer: performs one delivery attempt.
+        notifier: enqueues DSNs.
+        settings: worker settings (concurrency, batch, lease, drain bound).
+        policy: retry policy for ordinary mail.
+        dsn_policy: retry policy for DSNs (shorter lifetime).
+        owner: lease owner name; host name + random suffix when omitted.
+        clock: returns the current aware UTC time (tests pass a fake clock).
+        rng: jitter source.
+    """
+
+    def __init__(
+        self,
+        stores: Stores,
+        deliverer: Deliverer,
+        notifier: Notifier,
+        settings: WorkerSettings,
+        policy: RetryPolicy,
+        dsn_policy: RetryPolicy | None = None,
+        *,
+        owner: str | None = None,
+        clock: Callable[[], datetime] = utcnow,
+        rng: random.Random | None = None,
+        ack_wait_s: float = 60.0,
+    ) -> None:
+        self.stores = stores
+        self.deliverer = deliverer
+        self.notifier = notifier
+        self.settings = settings
+        self.policy = policy
+        self.dsn_policy = dsn_policy or policy
+        self.owner = owner or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.ack_wait_s = ack_wait_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.handled = 0
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self, stop: asyncio.Event, *, idle_exit_s: float | None = None) -> None:
+        """Deliver until ``stop`` is set, then drain (STYLE.md habit 10).
+
+        Drain: stop fetching, let in-flight deliveries finish within
+        ``settings.drain_timeout_s`` seconds, then hand what remains back for immediate
+        redelivery (lease released, NAK without delay).
+
+        Args:
+            stop: set it (e.g. on SIGTERM) to drain and return.
+            idle_exit_s: return once nothing was due and nothing was in flight for this many
+                seconds (burst mode, for tests and one-shot runs); None = run until stopped.
+        """
+        idle_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            free = self.settings.concurrency - len(self._tasks)
+            if free <= 0:
+                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                batch = await self.stores.scheduler.fetch(min(self.settings.batch, free), 0.5)
+            except StoreUnavailable as e:
+                log.warning("fetch failed: %s", e)
+                with contextlib.suppress(TimeoutError):  # a timeout is just "try again"
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                continue
+            for due in batch:
+                task = asyncio.create_task(self._handle(due))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if batch or self._tasks:
+                idle_since = None
+            elif idle_exit_s is not None:
+                idle_since = idle_since or loop.time()
+                if loop.time() - idle_since >= idle_exit_s:
+                    break
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Finish in-flight deliveries within the drain bound; give back the rest."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(self._tasks, timeout=self.settings.drain_timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    # ------------------------------------------------------------------ one item
+
+    async def _handle(self, due: Due) -> None:
+        try:
+            await self._process(due)
+            self.handled += 1
+        except asyncio.CancelledError:
+            await asyncio.shield(self._give_back(due))
+            raise
+        except StoreUnavailable as e:
+            # Leave the item unsettled: it comes back after the ack wait.
+            log.warning("queue %s: store unavailable: %s", due.item.queue_id, e)
+        except Exception:
+            log.exception("queue %s: unexpected error; retrying in 60 s", due.item.queue_id)
+            with contextlib.suppress(StoreUnavailable):  # unsettled items come back anyway
+                await due.retry(60.0)
+
+    async def _give_back(self, due: Due) -> None:
+        """Drain path: release our lease and make the item due again at once."""
+        with contextlib.suppress(StoreUnavailable, EntryNotFound, RevisionConflict):
+            v = await self.stores.entries.get(due.item.queue_id)
+            lease = v.entry.leases.get(due.item.domain)
+            if lease is not None and lease.owner == self.owner:
+                await self.stores.entries.update(
+                    state.release(v.entry, due.item.domain), v.revision
+                )
+        with contextlib.suppress(StoreUnavailable):  # unsettled items come back anyway
+            await due.retry(0.0)
+
+    async def _get(self, queue_id: str) -> Versioned | None:
+        try:
+            return await self.stores.entries.get(queue_id)
+        except EntryNotFound:
+            return None
+
+    def _policy(self, entry: Entry) -> RetryPolicy:
+        return self.dsn_policy if entry.is_dsn or entry.reverse_path == "" else self.policy
+
+    async def _process(self, due: Due) -> None:
+        item = due.item
+        for _ in range(CAS_TRIES):
+            v = await self._get(item.queue_id)
+            now = self.clock()
+            verdict = state.check(v.entry if v else None, item, now)
+            if verdict.verdict is state.Verdict.DROP:
+                log.debug("queue %s %s: drop (%s)", item.queue_id, item.domain, verdict.reason)
+                if v is not None:
+                    await self._finish(v)
+                await due.term()
+                return
+            if verdict.verdict is state.Verdict.LATER:
+                log.debug("queue %s %s: %s", item.queue_id, item.domain, verdict.reason)
+                await due.retry(verdict.delay_s)
+                return
+            assert v is not None
+            expired = state.expire_all(v.entry, item.domain, now, self._policy(v.entry))
+            try:
+                if expired is not None:
+                    v = Versioned(expired, await self.stores.entries.update(expired, v.revision))
+                    self._log_expired(v.entry, item.domain)
+                    await self._finish(v)
+                    await due.ack()
+                    return
+                claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
+                rev = await self.stores.entries.update(claimed, v.revision)
+            except RevisionConflict:
+                continue
+            await self._attempt(due, Versioned(claimed, rev))
+            return
+        await due.retry(1.0)
+
+    async def _attempt(self, due: Due, claimed: Versioned) -> None:
+        item = due.item
+        entry = claimed.entry
+        recipients = entry.open_recipients(item.domain)
+        started = self.clock()
+        heartbeat = asyncio.create_task(self._heartbeat(due))
+        try:
+            outcomes = await self.deliverer.deliver(
+                entry, item.domain, recipients, lambda: self.stores.bodies.open(entry.id)
+            )
+        finally:
+            heartbeat.cancel()
+        for _ in range(CAS_TRIES):
+            v = await self._get(item.queue_id)
+            if v is None:
+                log.info("queue %s: deleted during delivery", item.queue_id)
+                await due.ack()
+                return
+            now = self.clock()
+            new, recorded = state.record(
+                v.entry, item.domain, outcomes, now, self._policy(v.entry), self.rng
+            )
+            try:
+                v = Versioned(new, await self.stores.entries.update(new, v.revision))
+                break
+            except RevisionConflict:
+                continue
+        else:
+            raise RevisionConflict(f"queue {item.queue_id}: could not record outcomes")
+        self._log_attempt(v.entry, item.domain, recorded, started, now)
+        await self._finish(v)
+        if recorded.retry_delay_s is None:
+            await due.ack()
+        else:
+            await due.retry(recorded.retry_delay_s)
+
+    async def _heartbeat(self, due: Due) -> None:
+        """Keep the work item alive during long SMTP sessions (in-progress acks)."""
+        interval = max(0.5, self.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(StoreUnavailable):  # the next beat tries again
+                await due.in_progress()
+
+    async def _finish(self, v: Versioned) -> None:
+        """Send owed DSNs of a settled entry; delete a final entry and its body."""
+        for _ in range(CAS_TRIES):
+            if not state.settled(v.entry):
+                return
+            marked = await self.notifier.notify(v.entry, self.clock())
+            try:
+                if marked is not None:
+                    v = Versioned(marked, await self.stores.entries.update(marked, v.revision))
+                if v.entry.is_final:
+                    await self.stores.bodies.delete(v.entry.id)
+                    if not v.entry.is_dsn:
+                        # A final DSN entry stays (without body) so that a DSN re-enqueued
+                        # after a crash finds it and is not sent twice (jsqueue.bounce).
+                        await self.stores.entries.delete(v.entry.id, revision=v.revision)
+                    log.info("queue %s: done, removed", v.entry.id)
+                return
+            except RevisionConflict:
+                fresh = await self._get(v.entry.id)
+                if fresh is None:
+                    return
+                v = fresh
+
+    # ------------------------------------------------------------------ logging
+
+    def _log_attempt(
+        self,
+        entry: Entry,
+        domain: str,
+        recorded: state.Recorded,
+        started: datetime,
+        now: datetime,
+    ) -> None:
+        took = (now - started).total_seconds()
+        groups = (
+            ("delivered", recorded.delivered),
+            ("deferred", recorded.deferred),
+            ("bounced", recorded.bounced),
+            ("expired", recorded.expired),
+        )
+        for outcome, rcpts in groups:
+            for r in rcpts:
+                reply = r.last_reply
+                log.info(
+                    "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
+                    "delay=%.3fs next=%s",
+                    entry.id,
+                    r.address,
+                    domain,
+                    outcome,
+                    reply.remote_host if reply else None,
+                    str(reply) if reply else "",
+                    r.attempts,
+                    took,
+                    r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
+                    extra={"queue_id": entry.id, "recipient": r.address, "outcome": outcome},
+                )
+
+    def _log_expired(self, entry: Entry, domain: str) -> None:
+        for r in entry.recipients:
+            if r.domain == domain and r.state.is_final and not r.dsn_sent:
+                log.info("queue=%s to=<%s> outcome=expired", entry.id, r.address)

@@ -1,0 +1,150 @@
+"""Pure delivery state transitions (jsqueue.state): checks, claims, outcomes, expiry."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+
+from jsqueue import replies
+from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, Reply
+from jsqueue.names import new_queue_id
+from jsqueue.retry import RetryPolicy
+from jsqueue.state import Verdict, check, claim, expire_all, record, release, settled
+from jsqueue.store.base import WorkItem
+
+T0 = datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
+POLICY = RetryPolicy(base_s=60, factor=2, max_delay_s=3600, max_age_s=86400, jitter=0)
+
+
+def make_entry(*addresses: str, reverse_path: str = "alice@example.test") -> Entry:
+    return Entry(
+        id=new_queue_id(),
+        reverse_path=reverse_path,
+        recipients=[Recipient.from_address(a) for a in addresses],
+        created_at=T0,
+        size=100,
+    )
+
+
+def reply(code: int, enhanced: str, text: str = "x") -> Reply:
+    return Reply(code=code, enhanced=enhanced, text=text, remote_host="mx.mixed.example.test")
+
+
+def test_check_verdicts_follow_kv_truth() -> None:
+    """DESIGN.md §2.2: gone, stale, held, nothing open → drop; early → later; else deliver."""
+    e = make_entry("a@mixed.example.test")
+    item = WorkItem(e.id, "mixed.example.test", 0)
+    assert check(None, item, T0).verdict is Verdict.DROP
+    assert check(e, WorkItem(e.id, "mixed.example.test", 1), T0).verdict is Verdict.DROP
+    assert check(e.model_copy(update={"held": True}), item, T0).verdict is Verdict.DROP
+    assert check(e, WorkItem(e.id, "other.example.test", 0), T0).verdict is Verdict.DROP
+    assert check(e, item, T0).verdict is Verdict.DELIVER
+    later = e.model_copy(deep=True)
+    later.recipients[0].next_attempt_at = T0 + timedelta(seconds=300)
+    c = check(later, item, T0)
+    assert c.verdict is Verdict.LATER
+    assert 299 <= c.delay_s <= 300
+
+
+def test_lease_of_another_worker_defers_until_it_ends() -> None:
+    """DESIGN.md §2.3: a running lease keeps a second worker out; an expired one does not."""
+    e = make_entry("a@mixed.example.test")
+    item = WorkItem(e.id, "mixed.example.test", 0)
+    claimed = claim(e, "mixed.example.test", "w1", T0, lease_s=30)
+    assert claimed.recipients[0].state is RecipientState.ACTIVE
+    c = check(claimed, item, T0 + timedelta(seconds=10))
+    assert c.verdict is Verdict.LATER and 19 <= c.delay_s <= 20
+    assert check(claimed, item, T0 + timedelta(seconds=31)).verdict is Verdict.DELIVER
+    released = release(claimed, "mixed.example.test")
+    assert released.recipients[0].state is RecipientState.PENDING
+    assert "mixed.example.test" not in released.leases
+
+
+def test_mixed_replies_give_per_recipient_states() -> None:
+    """CASE-07: 250 / 450 / 550 in one transaction → delivered / deferred / bounced."""
+    e = make_entry("a@mixed.example.test", "b@mixed.example.test", "c@mixed.example.test")
+    e = claim(e, "mixed.example.test", "w1", T0, 600)
+    outcomes = {
+        "a@mixed.example.test": reply(250, "2.0.0"),
+        "b@mixed.example.test": reply(450, "4.2.1"),
+        "c@mixed.example.test": reply(550, "5.1.1"),
+    }
+    new, rec = record(e, "mixed.example.test", outcomes, T0, POLICY, random.Random(1))
+    states = [r.state for r in new.recipients]
+    assert states == [RecipientState.DELIVERED, RecipientState.DEFERRED, RecipientState.BOUNCED]
+    assert [r.attempts for r in new.recipients] == [1, 1, 1]
+    assert new.recipients[1].next_attempt_at == T0 + timedelta(seconds=60)
+    assert rec.retry_delay_s == 60
+    assert settled(new) and not new.is_final
+    assert new.leases == {}
+    # attempt 2 offers only b@ (delivered recipients are never offered again)
+    assert [r.address for r in new.open_recipients("mixed.example.test")] == [
+        "b@mixed.example.test"
+    ]
+    done, rec2 = record(
+        new,
+        "mixed.example.test",
+        {"b@mixed.example.test": reply(250, "2.0.0")},
+        T0 + timedelta(seconds=60),
+        POLICY,
+        random.Random(1),
+    )
+    assert done.is_final and rec2.retry_delay_s is None
+    assert done.recipients[1].attempts == 2
+
+
+def test_missing_reply_counts_as_temporary() -> None:
+    """A recipient the attempt gave no reply for is retried, never dropped."""
+    e = make_entry("a@mixed.example.test")
+    new, rec = record(e, "mixed.example.test", {}, T0, POLICY, random.Random(1))
+    assert new.recipients[0].state is RecipientState.DEFERRED
+    assert new.recipients[0].last_reply == replies.R451_PROTOCOL_ERROR
+    assert rec.deferred
+
+
+def test_expiry_bounces_with_last_reply_and_null_path_fails() -> None:
+    """RFC 5321 §4.5.4.1: past the lifetime a deferred recipient is bounced (4.4.7 DSN);
+    mail from <> is marked failed instead (RFC 5321 §4.5.5, no DSN owed)."""
+    e = make_entry("a@mixed.example.test")
+    late = T0 + timedelta(days=2)
+    new, rec = record(
+        e,
+        "mixed.example.test",
+        {"a@mixed.example.test": reply(451, "4.3.0")},
+        late,
+        POLICY,
+        random.Random(1),
+    )
+    assert new.recipients[0].state is RecipientState.BOUNCED
+    assert new.recipients[0].last_reply is not None
+    assert new.recipients[0].last_reply.code == 451
+    assert rec.expired and rec.retry_delay_s is None
+    null = make_entry("a@mixed.example.test", reverse_path="")
+    expired = expire_all(null, "mixed.example.test", late, POLICY)
+    assert expired is not None
+    assert expired.recipients[0].state is RecipientState.FAILED
+    assert expire_all(null, "mixed.example.test", T0, POLICY) is None
+
+
+def test_settled_waits_for_every_destination() -> None:
+    """One DSN per message and event (RFC 3464 §2): not while another domain is pending."""
+    e = make_entry("a@one.example.test", "b@two.example.test")
+    new, _ = record(
+        e,
+        "one.example.test",
+        {"a@one.example.test": reply(550, "5.1.1")},
+        T0,
+        POLICY,
+        random.Random(1),
+    )
+    assert not settled(new)
+    new.leases["two.example.test"] = Lease(owner="w", until=T0)
+    new, _ = record(
+        new,
+        "two.example.test",
+        {"b@two.example.test": reply(550, "5.1.1")},
+        T0,
+        POLICY,
+        random.Random(1),
+    )
+    assert settled(new) and new.is_final
