@@ -7,12 +7,14 @@ included; ``tests/test_store_contract.py`` runs one suite against both.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+import re
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState
+from jsqueue.errors import InvalidName
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class BodyStore(Protocol):
         """
         ...
 
-    def open(self, queue_id: str) -> AsyncIterator[bytes]:
+    def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
         """Stream a stored body chunk by chunk.
 
         The digest is checked as the stream ends: a mismatch raises :class:`BodyCorrupt`
@@ -244,11 +246,59 @@ class Scheduler(Protocol):
         ...
 
 
+_INGEST_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_ingest_key(key: str) -> str:
+    """Return ``key`` if it is an :class:`IngestLog` key: 64 lower-case hex characters.
+
+    Raises:
+        InvalidName: anything else.
+    """
+    if not isinstance(key, str) or not _INGEST_KEY_RE.match(key):
+        raise InvalidName(f"invalid ingest key {key!r}: expected 64 lower-case hex characters")
+    return key
+
+
+@runtime_checkable
+class IngestLog(Protocol):
+    """Recently accepted messages by content key: the front end's idempotent ingest.
+
+    A client that lost our ``250`` resends the same message; the front end finds the key of
+    the first copy here and answers with its queue id instead of queueing a second copy.
+    ``key`` is 64 lower-case hex characters (a SHA-256 of envelope and content), valid as a
+    KV key. Records only need to live as long as the largest ``max_age_s`` asked for
+    (``smtp.dedupe_window_s``); a backend may expire them after that.
+    """
+
+    async def lookup(self, key: str, max_age_s: float) -> str | None:
+        """The queue id recorded under ``key`` at most ``max_age_s`` seconds ago, else None.
+
+        Raises:
+            InvalidName: ``key`` is not 64 lower-case hex characters.
+            StoreUnavailable.
+        """
+        ...
+
+    async def record(self, key: str, queue_id: str) -> None:
+        """Remember ``key`` -> ``queue_id`` as of now (overwrites an older record).
+
+        Raises:
+            InvalidName: bad key or queue id.
+            StoreUnavailable.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class Stores:
-    """One backend's body store, entry store and scheduler, plus how to close them."""
+    """One backend's body store, entry store and scheduler, plus how to close them.
+
+    ``ingest`` is optional: without it the front end accepts resent messages as new ones.
+    """
 
     bodies: BodyStore
     entries: EntryStore
     scheduler: Scheduler
     close: Callable[[], Awaitable[None]]
+    ingest: IngestLog | None = None

@@ -12,7 +12,8 @@ import contextlib
 import hashlib
 import heapq
 import itertools
-from collections.abc import AsyncIterable, AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterable
 from datetime import datetime
 
 from jsqueue.envelope import Entry, EntryState, utcnow
@@ -24,7 +25,7 @@ from jsqueue.errors import (
     RevisionConflict,
 )
 from jsqueue.names import check_domain, check_queue_id
-from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem
+from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem, check_ingest_key
 
 CHUNK = 256 * 1024
 
@@ -47,7 +48,7 @@ class MemoryBodyStore:
         self._bodies[queue_id] = (data, digest.hexdigest())
         return BodyInfo(size=len(data), digest=digest.hexdigest())
 
-    async def open(self, queue_id: str) -> AsyncIterator[bytes]:
+    async def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
         """See :meth:`BodyStore.open`."""
         check_queue_id(queue_id)
         try:
@@ -265,10 +266,45 @@ class MemoryScheduler:
         return len(self._heap) + len(self._inflight)
 
 
+class MemoryIngestLog:
+    """:class:`~jsqueue.store.base.IngestLog` in an insertion-ordered dict (oldest first)."""
+
+    def __init__(self) -> None:
+        self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._max_age_s = 0.0
+
+    async def lookup(self, key: str, max_age_s: float) -> str | None:
+        """See :meth:`IngestLog.lookup`."""
+        check_ingest_key(key)
+        self._max_age_s = max(self._max_age_s, max_age_s)
+        found = self._records.get(key)
+        if found is None or utcnow().timestamp() - found[1] > max_age_s:
+            return None
+        return found[0]
+
+    async def record(self, key: str, queue_id: str) -> None:
+        """See :meth:`IngestLog.record`. Drops records older than the largest window seen."""
+        check_ingest_key(key)
+        now = utcnow().timestamp()
+        self._records[key] = (check_queue_id(queue_id), now)
+        self._records.move_to_end(key)
+        while self._records:
+            oldest = next(iter(self._records.values()))
+            if now - oldest[1] <= self._max_age_s:
+                break
+            self._records.popitem(last=False)
+
+
 def open_memory(ack_wait_s: float = 30.0) -> Stores:
-    """A fresh in-memory body store, entry store and scheduler."""
+    """A fresh in-memory body store, entry store, scheduler and ingest log."""
 
     async def _close() -> None:
         return None
 
-    return Stores(MemoryBodyStore(), MemoryEntryStore(), MemoryScheduler(ack_wait_s), _close)
+    return Stores(
+        MemoryBodyStore(),
+        MemoryEntryStore(),
+        MemoryScheduler(ack_wait_s),
+        _close,
+        MemoryIngestLog(),
+    )

@@ -1,0 +1,5 @@
+"""``python -m jsqueue`` runs the command line."""
+
+from jsqueue.cli import main
+
+main()

@@ -1,0 +1,449 @@
+"""Where to send mail for a destination domain: MX resolution (RFC 5321 §5.1, RFC 7505).
+
+A :class:`Resolver` turns a routing domain into the ordered list of :class:`MxTarget` the
+SMTP client tries, one TCP connection each, first to last:
+
+* :class:`DnsResolver` looks up MX records with dnspython's asyncio resolver. Records are
+  sorted by preference, equal preferences shuffled (RFC 5321 §5.1); each MX host's A and
+  AAAA records give its addresses. A domain without MX records (NOERROR/NODATA) is its own
+  implicit MX (its A/AAAA records). A null MX (a single ``MX 0 .``, RFC 7505) fails
+  permanently with ``5.1.10`` without any connection; NXDOMAIN fails permanently with
+  ``5.1.2``; SERVFAIL, timeouts and CNAME loops fail temporarily with ``4.4.3``. CNAMEs are
+  followed at the domain and at the MX host names (at most :data:`MAX_CNAME_HOPS`).
+  Address literals (``[127.0.0.1]``, ``[ipv6:::1]``, RFC 5321 §4.1.3) bypass DNS.
+* :class:`SmarthostResolver` sends everything to one relay (``worker.smarthost``).
+* :class:`StaticResolver` returns fixed targets (tests, fixed routes).
+
+:func:`resolver_from_settings` builds the right one from :class:`~jsqueue.config.WorkerSettings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import random
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import dns.asyncresolver
+import dns.exception
+import dns.message
+import dns.name
+import dns.rdatatype
+import dns.resolver
+import dns.rrset
+import idna
+
+from jsqueue.config import SmarthostSettings, WorkerSettings
+from jsqueue.envelope import Reply
+from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
+from jsqueue.replies import (
+    R451_DNS_TEMPFAIL,
+    R550_MX_HOST_NOT_FOUND,
+    R550_NO_SUCH_DOMAIN,
+    R550_NULL_MX,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_CNAME_HOPS = 8
+"""CNAME records followed for one name before the lookup fails temporarily as a loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class MxTarget:
+    """One address to try, in the order the client should try them.
+
+    Attributes:
+        host: the MX host name (A-label, no trailing dot), the domain itself for an implicit
+            MX, the address literal (``[127.0.0.1]``), or the smarthost name. Used for logs,
+            ``Reply.remote_host``, TLS SNI and certificate verification.
+        address: the IPv4 or IPv6 address to connect to.
+        preference: the MX preference; None for an implicit MX, literal or smarthost.
+        port: TCP port; None means ``WorkerSettings.mx_port``.
+        relay: True for the configured smarthost: only then may AUTH credentials be sent.
+    """
+
+    host: str
+    address: str
+    preference: int | None = None
+    port: int | None = None
+    relay: bool = False
+
+
+class Resolver(Protocol):
+    """Finds the MX targets of a destination domain."""
+
+    async def resolve(self, domain: str) -> list[MxTarget]:
+        """The addresses to try for ``domain``, in order (never empty).
+
+        Args:
+            domain: the routing domain (A-label or address literal, see
+                :func:`jsqueue.envelope.routing_domain`).
+
+        Raises:
+            PermanentDeliveryError: the domain cannot receive mail (NXDOMAIN, null MX, no
+                address for any MX host).
+            TemporaryDeliveryError: the answer could not be had now (SERVFAIL, timeout,
+                CNAME loop, ...).
+        """
+        ...
+
+
+def _reply(base: Reply, detail: str) -> Reply:
+    return base.model_copy(update={"text": f"{base.text}: {detail}"})
+
+
+def _literal_address(domain: str) -> str | None:
+    """The address inside an address literal (``[1.2.3.4]``, ``[IPv6:::1]``), else None."""
+    if not (domain.startswith("[") and domain.endswith("]")):
+        return None
+    inner = domain[1:-1]
+    if inner.lower().startswith("ipv6:"):
+        inner = inner[5:]
+    try:
+        return str(ipaddress.ip_address(inner))
+    except ValueError:
+        return None
+
+
+def _ascii_domain(domain: str) -> str:
+    domain = domain.strip().rstrip(".").lower()
+    if domain.isascii():
+        return domain
+    try:
+        return idna.encode(domain, uts46=True).decode("ascii")
+    except idna.IDNAError as e:
+        raise PermanentDeliveryError(
+            _reply(R550_NO_SUCH_DOMAIN, f"invalid domain {domain!r}")
+        ) from e
+
+
+class _NoData(Exception):
+    """Internal: the name exists but has no records of the type (NOERROR/NODATA)."""
+
+    def __init__(self, canonical: str) -> None:
+        super().__init__(canonical)
+        self.canonical = canonical
+
+
+class DnsResolver:
+    """MX resolution with dnspython's asyncio stub resolver (RFC 5321 §5.1, RFC 7505).
+
+    Each DNS query gives up after ``timeout_s`` (the dnspython lifetime, retries included);
+    one :meth:`resolve` makes one MX query plus one A and one AAAA query per MX host used
+    (run concurrently), each bounded on its own. Lookups never block the event loop, so a
+    slow domain does not delay other deliveries.
+
+    Args:
+        nameservers: IP addresses of the DNS servers to ask; empty = the system's
+            ``/etc/resolv.conf`` (never used by tests).
+        port: UDP/TCP port of those servers.
+        timeout_s: lifetime of one query, seconds.
+        max_addresses: at most this many targets are returned per resolve.
+        prefer_ipv6: list a host's IPv6 addresses before its IPv4 ones (default IPv4 first).
+        rng: random source for shuffling equal preferences (tests pass a seeded one).
+    """
+
+    def __init__(
+        self,
+        nameservers: Sequence[str] = (),
+        *,
+        port: int = 53,
+        timeout_s: float = 5.0,
+        max_addresses: int = 5,
+        prefer_ipv6: bool = False,
+        rng: random.Random | None = None,
+    ) -> None:
+        if nameservers:
+            self._resolver = dns.asyncresolver.Resolver(configure=False)
+            self._resolver.nameservers = list(nameservers)
+            self._resolver.port = port
+        else:
+            self._resolver = dns.asyncresolver.Resolver(configure=True)
+        self._resolver.timeout = timeout_s
+        self._resolver.lifetime = timeout_s
+        self._timeout_s = timeout_s
+        self._max = max_addresses
+        self._prefer_ipv6 = prefer_ipv6
+        self._rng = rng or random.Random()
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings) -> DnsResolver:
+        """Build from ``worker.nameservers``, ``nameserver_port``, ``dns_timeout_s`` and
+        ``max_mx_addresses``."""
+        return cls(
+            settings.nameservers,
+            port=settings.nameserver_port,
+            timeout_s=settings.dns_timeout_s,
+            max_addresses=settings.max_mx_addresses,
+        )
+
+    async def resolve(self, domain: str) -> list[MxTarget]:
+        """The ordered MX targets of ``domain``; see :meth:`Resolver.resolve`.
+
+        Raises:
+            PermanentDeliveryError: NXDOMAIN (``550 5.1.2``), null MX (``550 5.1.10``), no
+                address for the domain or any of its MX hosts (``550 5.4.4``).
+            TemporaryDeliveryError: SERVFAIL, timeout, CNAME loop, or an MX host lookup
+                failed temporarily and no other host had an address (``451 4.4.3``).
+        """
+        literal = _literal_address(domain.strip())
+        if literal is not None:
+            return [MxTarget(host=domain.strip().lower(), address=literal)]
+        name = _ascii_domain(domain)
+        try:
+            records, _ = await self._query(name, dns.rdatatype.MX)
+        except _NoData as nodata:
+            # RFC 5321 §5.1: no MX records -> the domain itself is the implicit MX.
+            addresses, error = await self._addresses(nodata.canonical)
+            if addresses:
+                return [MxTarget(host=name, address=a) for a in addresses[: self._max]]
+            if error is not None:
+                raise error from None
+            raise PermanentDeliveryError(
+                _reply(R550_MX_HOST_NOT_FOUND, f"{name} has no MX, A or AAAA records")
+            ) from None
+        mx = sorted(
+            (
+                (int(rd.preference), rd.exchange.to_text(omit_final_dot=True).lower())
+                for rd in records
+            ),
+            key=lambda pair: pair[0],
+        )
+        if all(host in ("", ".") for _, host in mx):
+            # RFC 7505 §3: the domain explicitly accepts no mail; do not connect anywhere.
+            raise PermanentDeliveryError(_reply(R550_NULL_MX, name))
+        hosts = self._order([(pref, host) for pref, host in mx if host not in ("", ".")])
+        targets: list[MxTarget] = []
+        last_error: TemporaryDeliveryError | None = None
+        for pref, host in hosts:
+            addresses, error = await self._addresses(host)
+            if error is not None:
+                log.warning("MX host %s of %s: %s", host, name, error.reply.text)
+                last_error = error if isinstance(error, TemporaryDeliveryError) else last_error
+            for address in addresses:
+                if all(t.address != address for t in targets):
+                    targets.append(MxTarget(host=host, address=address, preference=pref))
+            if len(targets) >= self._max:
+                break
+        if targets:
+            return targets[: self._max]
+        if last_error is not None:
+            raise last_error
+        raise PermanentDeliveryError(
+            _reply(R550_MX_HOST_NOT_FOUND, f"no MX host of {name} has an address")
+        )
+
+    def _order(self, mx: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """Sort by preference, shuffle within equal preferences, drop repeated hosts."""
+        groups: dict[int, list[str]] = {}
+        for pref, host in mx:
+            groups.setdefault(pref, [])
+            if host not in groups[pref]:
+                groups[pref].append(host)
+        ordered: list[tuple[int, str]] = []
+        seen: set[str] = set()
+        for pref in sorted(groups):
+            hosts = groups[pref]
+            self._rng.shuffle(hosts)
+            for host in hosts:
+                if host not in seen:
+                    seen.add(host)
+                    ordered.append((pref, host))
+        return ordered
+
+    async def _query(
+        self, name: str, rdtype: dns.rdatatype.RdataType
+    ) -> tuple[dns.rrset.RRset, str]:
+        """One lookup, following CNAMEs (also when the server returns only the CNAME).
+
+        Returns:
+            the answer RRset and the canonical name it belongs to.
+
+        Raises:
+            _NoData: NOERROR without records of ``rdtype`` (carries the canonical name).
+            PermanentDeliveryError: NXDOMAIN.
+            TemporaryDeliveryError: SERVFAIL, timeout, CNAME loop, other DNS failures.
+        """
+        qname = name
+        seen = {name}
+        for _ in range(MAX_CNAME_HOPS + 1):
+            try:
+                async with asyncio.timeout(self._timeout_s + 1.0):
+                    answer = await self._resolver.resolve(
+                        qname, rdtype, raise_on_no_answer=False, search=False
+                    )
+            except dns.resolver.NXDOMAIN as e:
+                raise PermanentDeliveryError(_reply(R550_NO_SUCH_DOMAIN, qname)) from e
+            except dns.resolver.NoNameservers as e:
+                errors = e.kwargs.get("errors") or []
+                if any(isinstance(x, dns.message.ChainTooLong) for err in errors for x in err):
+                    # A CNAME loop inside the server's answer (dnspython stops at 16 links).
+                    break
+                raise TemporaryDeliveryError(
+                    _reply(R451_DNS_TEMPFAIL, f"{qname} {rdtype.name}: server failure")
+                ) from e
+            except (dns.exception.Timeout, TimeoutError) as e:
+                raise TemporaryDeliveryError(
+                    _reply(R451_DNS_TEMPFAIL, f"{qname} {rdtype.name}: timed out")
+                ) from e
+            except dns.exception.DNSException as e:
+                raise TemporaryDeliveryError(
+                    _reply(R451_DNS_TEMPFAIL, f"{qname} {rdtype.name}: {e}")
+                ) from e
+            canonical = answer.canonical_name.to_text(omit_final_dot=True).lower()
+            if answer.rrset is not None:
+                return answer.rrset, canonical
+            if canonical == qname:
+                raise _NoData(canonical)
+            # The server gave the CNAME but not the target's records: chase it ourselves.
+            if canonical in seen:
+                break
+            seen.add(canonical)
+            qname = canonical
+        raise TemporaryDeliveryError(_reply(R451_DNS_TEMPFAIL, f"CNAME loop at {name}"))
+
+    async def _addresses(
+        self, host: str
+    ) -> tuple[list[str], TemporaryDeliveryError | PermanentDeliveryError | None]:
+        """A and AAAA of ``host`` (concurrently), in preference order, plus the error of a
+        failed lookup (None when at least one lookup answered or both were NODATA)."""
+        results = await asyncio.gather(
+            self._typed_addresses(host, dns.rdatatype.A),
+            self._typed_addresses(host, dns.rdatatype.AAAA),
+            return_exceptions=True,
+        )
+        v4: list[str] = []
+        v6: list[str] = []
+        error: TemporaryDeliveryError | PermanentDeliveryError | None = None
+        for result, bucket in zip(results, (v4, v6), strict=True):
+            if isinstance(result, TemporaryDeliveryError | PermanentDeliveryError):
+                # A temporary failure outranks NXDOMAIN when deciding what to report.
+                if error is None or isinstance(result, TemporaryDeliveryError):
+                    error = result
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                bucket.extend(result)
+        ordered = v6 + v4 if self._prefer_ipv6 else v4 + v6
+        if not ordered and error is None:
+            error = PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, f"{host} has no address"))
+        return ordered, error
+
+    async def lookup_addresses(self, host: str) -> list[str]:
+        """The A and AAAA addresses of ``host`` (CNAMEs followed), in preference order.
+
+        Raises:
+            PermanentDeliveryError: NXDOMAIN or no address records (``550``).
+            TemporaryDeliveryError: SERVFAIL, timeout or CNAME loop with no address found.
+        """
+        addresses, error = await self._addresses(_ascii_domain(host))
+        if not addresses and error is not None:
+            raise error
+        return addresses
+
+    async def _typed_addresses(self, host: str, rdtype: dns.rdatatype.RdataType) -> list[str]:
+        try:
+            rrset, _ = await self._query(host, rdtype)
+        except _NoData:
+            return []
+        return [rd.to_text() for rd in rrset]
+
+
+class StaticResolver:
+    """Always returns the same targets, whatever the domain (tests, fixed routes).
+
+    Args:
+        targets: returned as given (copied) by every :meth:`resolve`.
+    """
+
+    def __init__(self, targets: Sequence[MxTarget]) -> None:
+        if not targets:
+            raise ValueError("StaticResolver needs at least one target")
+        self._targets = list(targets)
+
+    async def resolve(self, domain: str) -> list[MxTarget]:
+        """The configured targets; never raises."""
+        return list(self._targets)
+
+
+class SmarthostResolver:
+    """Sends all mail through one relay host (``worker.smarthost``), no MX lookup.
+
+    The relay host may be an IP address, an address literal or a host name; a name is
+    resolved (A/AAAA) with ``dns`` when given, else with the system resolver
+    (``getaddrinfo``), bounded by ``timeout_s``. Targets carry ``relay=True`` and the relay's
+    port, so the client may authenticate to them (and only to them).
+
+    Args:
+        smarthost: host, port and optional credentials of the relay.
+        dns: resolver used for the relay's name; None = system resolver.
+        timeout_s: bound on the name lookup, seconds.
+        max_addresses: at most this many addresses are returned.
+    """
+
+    def __init__(
+        self,
+        smarthost: SmarthostSettings,
+        *,
+        dns: DnsResolver | None = None,
+        timeout_s: float = 5.0,
+        max_addresses: int = 5,
+    ) -> None:
+        self._smarthost = smarthost
+        self._dns = dns
+        self._timeout_s = timeout_s
+        self._max = max_addresses
+
+    async def resolve(self, domain: str) -> list[MxTarget]:
+        """The relay's addresses, whatever ``domain`` is.
+
+        Raises:
+            TemporaryDeliveryError: the relay's name could not be resolved (``451 4.4.3``);
+                a missing relay is a configuration problem, never a reason to bounce.
+        """
+        host = self._smarthost.host.strip().rstrip(".")
+        port = self._smarthost.port
+        literal = _literal_address(host) or _literal_address(f"[{host}]")
+        if literal is not None:
+            return [MxTarget(host=host, address=literal, port=port, relay=True)]
+        addresses: list[str] = []
+        if self._dns is not None:
+            try:
+                addresses = await self._dns.lookup_addresses(host.lower())
+            except (TemporaryDeliveryError, PermanentDeliveryError) as e:
+                raise TemporaryDeliveryError(e.reply) from e
+        else:
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except (OSError, TimeoutError) as e:
+                raise TemporaryDeliveryError(
+                    _reply(R451_DNS_TEMPFAIL, f"smarthost {host}: {e or 'timed out'}")
+                ) from e
+            for info in infos:
+                address = str(info[4][0])
+                if address not in addresses:
+                    addresses.append(address)
+        if not addresses:
+            raise TemporaryDeliveryError(_reply(R451_DNS_TEMPFAIL, f"smarthost {host}: no address"))
+        return [
+            MxTarget(host=host, address=a, port=port, relay=True) for a in addresses[: self._max]
+        ]
+
+
+def resolver_from_settings(settings: WorkerSettings) -> Resolver:
+    """The resolver the settings ask for: the smarthost when set, else MX lookup in DNS."""
+    if settings.smarthost is not None:
+        return SmarthostResolver(
+            settings.smarthost,
+            dns=DnsResolver.from_settings(settings) if settings.nameservers else None,
+            timeout_s=settings.dns_timeout_s,
+            max_addresses=settings.max_mx_addresses,
+        )
+    return DnsResolver.from_settings(settings)

@@ -1,0 +1,188 @@
+"""Pure byte transformations the SMTP client applies to a message on its way out.
+
+* :class:`DotStuffer`: streaming DATA transparency (RFC 5321 §4.5.2) and line-ending
+  canonicalisation (RFC 5321 §2.3.8), chunk by chunk, with state carried across chunk
+  boundaries so a 25 MB body never has to be in memory at once.
+* :func:`to_7bit`: 8-bit MIME to 7-bit MIME for a next hop without 8BITMIME (RFC 6152 §3,
+  RFC 2045 §6): every leaf part that holds 8-bit octets (or lines longer than 998 octets) is
+  re-encoded, ``text/*`` as quoted-printable, everything else as base64. The encoded part
+  decodes to exactly the original octets (line breaks of text parts as CRLF). **The
+  conversion changes the body, so it invalidates DKIM signatures (RFC 6376 §5.3) that cover
+  it**; jsqueue converts anyway (delivery beats a broken signature, as Sendmail and Postfix
+  do) and never claims the signature is still valid. Headers are left byte-for-byte except
+  the ``Content-Transfer-Encoding`` of converted parts.
+
+Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import email.policy
+import quopri
+import re
+from email.message import Message
+from email.parser import BytesParser
+
+__all__ = ["ConversionError", "DotStuffer", "has_8bit_headers", "to_7bit"]
+
+_BARE_EOL = re.compile(rb"\r\n|\r|\n")
+_HIGH = re.compile(rb"[\x80-\xff]")
+_MAX_LINE = 998  # RFC 5322 §2.1.1, octets without CRLF
+# Headers are written back as they came (refold_source="none"); only lines we add are folded.
+_POLICY = email.policy.SMTP.clone(refold_source="none", max_line_length=78)
+
+
+class ConversionError(ValueError):
+    """The message cannot be made 7-bit (8-bit octets in a header, a preamble or epilogue).
+
+    The client answers it with ``554 5.6.3``; it never leaves :mod:`jsqueue.delivery`.
+    """
+
+
+class DotStuffer:
+    """Turns raw message chunks into the DATA byte stream (RFC 5321 §4.5.2, §2.3.8).
+
+    Every line that starts with ``.`` gets one more ``.``; bare CR and bare LF become CRLF
+    (a canonical CRLF message passes unchanged apart from the stuffing). State is kept
+    across chunks, so ``\\r`` | ``\\n.`` split over two chunks is stuffed correctly.
+    :meth:`finish` returns the end-of-data sequence: a CRLF if the message did not end with
+    one, then ``.\\r\\n``. Call it only after the last chunk was read without error; a
+    transaction whose body failed must end without it, so nothing is delivered.
+    """
+
+    def __init__(self) -> None:
+        self._at_line_start = True
+        self._pending_cr = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Stuff one chunk; returns the bytes to send now (may be empty)."""
+        if self._pending_cr:
+            chunk = b"\r" + chunk
+            self._pending_cr = False
+        if chunk.endswith(b"\r"):
+            # Might be the first half of a CRLF split across chunks: decide with the next one.
+            chunk = chunk[:-1]
+            self._pending_cr = True
+        if not chunk:
+            return b""
+        n_crlf = chunk.count(b"\r\n")
+        if chunk.count(b"\r") != n_crlf or chunk.count(b"\n") != n_crlf:
+            chunk = _BARE_EOL.sub(b"\r\n", chunk)
+        if self._at_line_start and chunk.startswith(b"."):
+            chunk = b"." + chunk
+        if b"\r\n." in chunk:
+            chunk = chunk.replace(b"\r\n.", b"\r\n..")
+        self._at_line_start = chunk.endswith(b"\r\n")
+        return chunk
+
+    def finish(self) -> bytes:
+        """The final bytes: the held-back CR (as CRLF), a CRLF if needed, and ``.\\r\\n``."""
+        tail = b""
+        if self._pending_cr:
+            self._pending_cr = False
+            tail = b"\r\n"
+            self._at_line_start = True
+        if not self._at_line_start:
+            tail += b"\r\n"
+        self._at_line_start = True
+        return tail + b".\r\n"
+
+
+def has_8bit_headers(header_section: bytes) -> bool:
+    """True when the header section (bytes up to the first empty line) has an octet >= 0x80.
+
+    Such a message needs SMTPUTF8 at the next hop (RFC 6532 §3, RFC 6531 §3.5).
+    """
+    return _HIGH.search(header_section) is not None
+
+
+def header_end(data: bytes) -> int:
+    """Offset just past the empty line that ends the header section; len(data) if none."""
+    if data.startswith(b"\r\n"):
+        return 2
+    idx = data.find(b"\r\n\r\n")
+    return len(data) if idx < 0 else idx + 4
+
+
+def _needs_encoding(raw: bytes) -> bool:
+    if _HIGH.search(raw):
+        return True
+    return any(len(line) > _MAX_LINE for line in raw.split(b"\r\n"))
+
+
+def _leaf_needs_encoding(part: Message, cte: str) -> bool:
+    if cte in ("quoted-printable", "base64"):
+        raw = part.get_payload()
+        if not isinstance(raw, str):
+            return False
+        return not raw.isascii() or any(len(line) > _MAX_LINE for line in raw.splitlines())
+    # 7bit / 8bit / binary / unknown: the decoded payload is the raw octets.
+    data = part.get_payload(decode=True)
+    return isinstance(data, bytes) and _needs_encoding(data)
+
+
+def _set_cte(part: Message, value: str) -> None:
+    if "Content-Transfer-Encoding" in part:
+        part.replace_header("Content-Transfer-Encoding", value)
+    else:
+        part["Content-Transfer-Encoding"] = value
+
+
+def _encode_leaf(part: Message) -> None:
+    data = part.get_payload(decode=True)
+    if not isinstance(data, bytes):
+        raise ConversionError("part payload could not be decoded")
+    if part.get_content_maintype() == "text":
+        # Line breaks of text are CRLF on the wire and hard line breaks in QP (RFC 2045 §6.7).
+        text = data.replace(b"\r\n", b"\n")
+        encoded = quopri.encodestring(text, quotetabs=False)
+        _set_cte(part, "quoted-printable")
+    else:
+        encoded = base64.encodebytes(data)
+        _set_cte(part, "base64")
+    part.set_payload(encoded.decode("ascii"))
+
+
+def to_7bit(message: bytes) -> bytes:
+    """Re-encode an 8-bit MIME message as 7-bit MIME (RFC 6152 §3, RFC 2045 §6).
+
+    Leaf parts with octets >= 0x80 or lines longer than 998 octets are re-encoded
+    (``text/*`` quoted-printable, others base64); multipart and ``message/*`` containers
+    declared ``8bit``/``binary`` are relabelled ``7bit``. A message without ``MIME-Version``
+    gets ``MIME-Version: 1.0`` and, lacking a ``Content-Type``, ``text/plain;
+    charset=unknown-8bit`` (RFC 1428). Invalidates DKIM signatures over the body (see the
+    module docstring).
+
+    Args:
+        message: the whole raw message, CRLF line ends.
+
+    Returns:
+        the converted message: only octets < 0x80, no line over 998 octets, CRLF line ends.
+
+    Raises:
+        ConversionError: a header (of the message or of a part), a preamble or an epilogue
+            contains 8-bit octets, or the result is still not 7-bit.
+    """
+    if has_8bit_headers(message[: header_end(message)]):
+        raise ConversionError("8-bit octets in the message header")
+    msg = BytesParser(policy=_POLICY).parsebytes(message)
+    if "MIME-Version" not in msg:
+        msg["MIME-Version"] = "1.0"
+        if "Content-Type" not in msg:
+            msg["Content-Type"] = "text/plain; charset=unknown-8bit"
+    for part in msg.walk():
+        for name, value in part.raw_items():
+            if isinstance(value, str) and not value.isascii():
+                raise ConversionError(f"8-bit octets in the {name} header of a MIME part")
+        cte = str(part.get("Content-Transfer-Encoding", "7bit")).strip().lower()
+        if part.is_multipart():
+            if cte in ("8bit", "binary"):
+                _set_cte(part, "7bit")
+            continue
+        if _leaf_needs_encoding(part, cte):
+            _encode_leaf(part)
+    out = msg.as_bytes(policy=_POLICY)
+    if _needs_encoding(out):
+        raise ConversionError("8-bit octets outside any MIME part (preamble or epilogue)")
+    return out

@@ -1,0 +1,181 @@
+"""Incremental decoder for the SMTP DATA stream (RFC 5321 §4.1.1.4, §4.5.2, §2.3.8).
+
+Pure byte handling, no I/O: the session feeds whatever it read from the socket and gets back
+the decoded message octets plus, once the terminator has been seen, the bytes that followed
+it (the client's next, pipelined commands; RFC 2920 §3.1).
+
+Rules (the documented front-end policy; CASE-01, CASE-03, CASE-25, CASE-26):
+
+- **The end of data is ``<CRLF>.<CRLF>`` and nothing else** (RFC 5321 §4.1.1.4). ``<LF>.<LF>``,
+  ``<CR>.<CR>``, ``<LF>.<CRLF>`` and the like never end the message, whatever the bare line
+  ending policy says, so commands smuggled behind them stay message text (SMTP smuggling).
+- **Bare CR / bare LF** (RFC 5321 §2.3.8) under :attr:`BareLinePolicy.REJECT` (the default):
+  the message is rejected with ``550 5.6.11`` after the terminator. Under
+  :attr:`BareLinePolicy.ACCEPT` every bare CR and bare LF is normalised to CRLF, and dot
+  unstuffing applies per normalised line (so a sloppy client that stuffs per LF line, CASE-03
+  variant B, gets its intended lines back). A stored body therefore only ever has CRLF line
+  ends.
+- **Dot unstuffing** (RFC 5321 §4.5.2): a leading ``.`` is removed from every line that has
+  other characters after it.
+- **Line length** (RFC 5321 §4.5.3.1.6): a line longer than 998 octets (excluding CRLF and
+  the transparency dot) rejects the message with ``500 5.5.2`` after the terminator; a line of
+  exactly 998 octets is accepted byte-exact.
+- **Size** (RFC 1870): more than ``max_size`` decoded octets rejects the message with
+  ``552 5.3.4`` after the terminator.
+
+Once a message is rejected the rest of it is only scanned for the terminator and thrown
+away, keeping four bytes of context: memory stays bounded whatever the client sends.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jsqueue.config import BareLinePolicy
+from jsqueue.envelope import Reply
+from jsqueue.replies import R500_DATA_LINE_TOO_LONG, R550_BARE_LINE_ENDING, R552_TOO_BIG
+
+#: RFC 5321 §4.5.3.1.6 / RFC 5322 §2.1.1: longest text line, CRLF excluded.
+MAX_LINE_OCTETS = 998
+_TERMINATOR = b"\r\n.\r\n"
+_BREAK_RE = re.compile(rb"\r\n|\r|\n")
+
+
+class DataDecoder:
+    """Decode one message's DATA bytes as they arrive.
+
+    Attributes:
+        error: the rejection reply once the message is rejected (None while acceptable).
+        size: decoded octets so far (CRLF line ends, dots unstuffed).
+        eight_bit: some decoded octet is outside US-ASCII.
+        bare_line_endings: a bare CR or LF was seen (rejected or normalised per policy).
+        done: the terminator has been seen.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_size: int,
+        bare_line_endings: BareLinePolicy = BareLinePolicy.REJECT,
+        max_line: int = MAX_LINE_OCTETS,
+    ) -> None:
+        """Args:
+        max_size: largest acceptable message in decoded octets (RFC 1870 SIZE).
+        bare_line_endings: reject, or normalise bare CR/LF to CRLF (RFC 5321 §2.3.8).
+        max_line: longest acceptable line in octets, CRLF excluded.
+        """
+        self._max_size = max_size
+        self._accept_bare = bare_line_endings == BareLinePolicy.ACCEPT
+        self._max_line = max_line
+        self._carry = b""  # the partial line after the last complete line break
+        self._crlf_before = True  # the carry starts after CRLF (or at the start of data)
+        self._tail: bytes | None = None  # last 4 bytes seen, once discarding
+        self.error: Reply | None = None
+        self.size = 0
+        self.eight_bit = False
+        self.bare_line_endings = False
+        self.done = False
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes | None]:
+        """Take the next bytes received after the 354 reply.
+
+        Args:
+            data: any number of octets, split anywhere.
+
+        Returns:
+            ``(content, rest)``: ``content`` is newly decoded message octets (always empty once
+            :attr:`error` is set); ``rest`` is None until the terminator has been seen, then
+            the octets that followed it, which belong to the command stream.
+
+        Raises:
+            RuntimeError: called again after the terminator.
+        """
+        if self.done:
+            raise RuntimeError("DATA already terminated")
+        if self._tail is not None:
+            return b"", self._scan_discarding(data)
+        buf = self._carry + data if self._carry else data
+        if self._crlf_before and buf.startswith(b".\r\n"):
+            end, rest_at = 0, 3
+        else:
+            i = buf.find(_TERMINATOR)
+            end, rest_at = (i + 2, i + 5) if i >= 0 else (-1, -1)
+        if end >= 0:
+            self.done = True
+            self._carry = b""
+            return self._decode(buf[:end]), buf[rest_at:]
+        cut = _last_break(buf)
+        region, self._carry = buf[:cut], buf[cut:]
+        out = self._decode(region)
+        if self.error is None and self._carry_too_long():
+            self._fail(R500_DATA_LINE_TOO_LONG)
+        if self.error is not None:
+            out = b""
+            self._tail = buf[-4:]
+            self._carry = b""
+        return out, None
+
+    def _scan_discarding(self, data: bytes) -> bytes | None:
+        assert self._tail is not None
+        window = self._tail + data
+        i = window.find(_TERMINATOR)
+        if i >= 0:
+            self.done = True
+            return window[i + 5 :]
+        self._tail = window[-4:]
+        return None
+
+    def _carry_too_long(self) -> bool:
+        n = len(self._carry)
+        if n <= self._max_line:
+            return False
+        n -= self._carry.endswith(b"\r") + self._carry.startswith(b".")
+        return n > self._max_line
+
+    def _fail(self, reply: Reply) -> None:
+        if self.error is None:
+            self.error = reply
+
+    def _decode(self, region: bytes) -> bytes:
+        """Decode complete lines (``region`` starts at a line start, ends with a break)."""
+        if not region or self.error is not None:
+            return b""
+        crlf = region.count(b"\r\n")
+        bare = region.count(b"\n") != crlf or region.count(b"\r") != crlf
+        if bare:
+            self.bare_line_endings = True
+            if not self._accept_bare:
+                self._fail(R550_BARE_LINE_ENDING)
+                return b""
+            lines = _BREAK_RE.split(region)
+            lines.pop()  # region ends with a line break: the last piece is empty
+            out = b"\r\n".join(ln[1:] if ln[:1] == b"." and len(ln) > 1 else ln for ln in lines)
+            out += b"\r\n"
+        else:
+            out = region
+            if out[:1] == b"." and not out.startswith(b".\r\n"):
+                out = out[1:]
+            out = out.replace(b"\r\n.", b"\r\n")
+        self._crlf_before = region.endswith(b"\r\n")
+        if len(out) > self._max_line and max(map(len, out.split(b"\r\n"))) > self._max_line:
+            self._fail(R500_DATA_LINE_TOO_LONG)
+            return b""
+        self.size += len(out)
+        if self.size > self._max_size:
+            self._fail(R552_TOO_BIG)
+            return b""
+        if not self.eight_bit and not out.isascii():
+            self.eight_bit = True
+        return out
+
+
+def _last_break(buf: bytes) -> int:
+    """Index just after the last complete line break in ``buf`` (0 if none).
+
+    A trailing CR is not complete: its LF may be in the next read.
+    """
+    cut = buf.rfind(b"\n") + 1
+    cr = buf.rfind(b"\r")
+    if cr >= cut and cr < len(buf) - 1:
+        cut = cr + 1
+    return cut

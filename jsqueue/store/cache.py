@@ -1,0 +1,234 @@
+"""A worker-side, bounded, on-disk LRU cache in front of a body store.
+
+A worker reads one body once per destination domain and again on every retry; for a
+message to many domains that is many reads of the same bytes from JetStream. The
+:class:`CachedBodyStore` downloads a body once into a local file (the inner store verifies
+its digest while it streams), then serves that file in chunks, re-hashing it as it goes so a
+damaged file is noticed (and dropped) just like a damaged stored body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterable
+from pathlib import Path
+from typing import BinaryIO
+
+from jsqueue.errors import BodyCorrupt, StoreUnavailable
+from jsqueue.names import check_queue_id
+from jsqueue.store.base import BodyInfo, BodyStore
+
+log = logging.getLogger(__name__)
+
+#: Chunk size when serving a cached file, octets.
+READ_CHUNK = 256 * 1024
+_SUFFIX = ".body"
+
+
+class CachedBodyStore:
+    """:class:`~jsqueue.store.base.BodyStore` that caches bodies read through it on disk.
+
+    - :meth:`open` of a body not cached: size and digest from the inner store's
+      :meth:`~BodyStore.info`; a body larger than ``max_bytes`` is streamed straight
+      through. Otherwise it is downloaded into a temporary file (concurrent opens of the
+      same id wait for one download), least recently used files are evicted until the new
+      one fits, and the file is served. A download the inner store reports as corrupt
+      raises :class:`BodyCorrupt` and caches nothing.
+    - :meth:`open` of a cached body: served from the file in ``READ_CHUNK`` chunks, the
+      SHA-256 recomputed; a mismatch raises :class:`BodyCorrupt` before the last chunk is
+      yielded and evicts the file, so the next open downloads again.
+    - :meth:`put` and :meth:`delete` go to the inner store and drop any cached copy.
+
+    Files are named by queue id (validated, so safe as file names). The index lives in
+    memory; files left by an earlier process in ``directory`` are removed at start.
+
+    Args:
+        inner: the store that holds the bodies.
+        max_bytes: cache size limit, octets; 0 disables caching.
+        directory: where the files go; a fresh temporary directory when None (removed by
+            :meth:`close`).
+    """
+
+    def __init__(self, inner: BodyStore, max_bytes: int, directory: Path | None = None) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.inner = inner
+        self.max_bytes = max_bytes
+        self._own_dir = directory is None
+        if directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix="jsqueue-bodies-"))
+        else:
+            self.directory = Path(directory)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(f"*{_SUFFIX}*"):
+                stale.unlink(missing_ok=True)
+        self._lru: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self._used = 0
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Octets of cached files."""
+        return self._used
+
+    def cached(self, queue_id: str) -> bool:
+        """True when the body is in the cache."""
+        return queue_id in self._lru
+
+    def _path(self, queue_id: str) -> Path:
+        return self.directory / f"{queue_id}{_SUFFIX}"
+
+    def _evict(self, queue_id: str) -> None:
+        entry = self._lru.pop(queue_id, None)
+        if entry is not None:
+            self._used -= entry[0]
+            self._path(queue_id).unlink(missing_ok=True)
+
+    def _make_room(self, size: int) -> None:
+        while self._lru and self._used + size > self.max_bytes:
+            oldest = next(iter(self._lru))
+            self._evict(oldest)
+
+    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+        """See :meth:`BodyStore.put`; drops any cached copy of the id."""
+        self._evict(check_queue_id(queue_id))
+        return await self.inner.put(queue_id, chunks)
+
+    async def info(self, queue_id: str) -> BodyInfo:
+        """See :meth:`BodyStore.info` (answered from the cache when cached)."""
+        check_queue_id(queue_id)
+        cached = self._lru.get(queue_id)
+        if cached is not None:
+            return BodyInfo(size=cached[0], digest=cached[1])
+        return await self.inner.info(queue_id)
+
+    async def delete(self, queue_id: str) -> None:
+        """See :meth:`BodyStore.delete`; drops any cached copy."""
+        self._evict(check_queue_id(queue_id))
+        await self.inner.delete(queue_id)
+
+    async def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
+        """See :meth:`BodyStore.open`.
+
+        Raises:
+            BodyNotFound, BodyCorrupt, StoreUnavailable (also for local disk errors).
+        """
+        check_queue_id(queue_id)
+        if self.max_bytes == 0:
+            async for chunk in self._passthrough(queue_id):
+                yield chunk
+            return
+        lock = self._locks.setdefault(queue_id, asyncio.Lock())
+        async with lock:
+            if queue_id in self._lru:
+                self.hits += 1
+            else:
+                self.misses += 1
+                info = await self.inner.info(queue_id)
+                if info.size <= self.max_bytes:
+                    await self._download(queue_id, info.size)
+        if not lock.locked():
+            # A racing opener may then download again; harmless, and keeps the dict small.
+            self._locks.pop(queue_id, None)
+        if queue_id not in self._lru:
+            async for chunk in self._passthrough(queue_id):
+                yield chunk
+            return
+        self._lru.move_to_end(queue_id)
+        size, digest = self._lru[queue_id]
+        try:
+            f = await asyncio.to_thread(self._path(queue_id).open, "rb")
+        except OSError as e:
+            # Evicted meanwhile, or the disk failed: read from the inner store instead.
+            log.info("body cache: %s; reading body %s from the store", e, queue_id)
+            self._evict(queue_id)
+            async for chunk in self._passthrough(queue_id):
+                yield chunk
+            return
+        try:
+            async for chunk in self._serve(queue_id, f, size, digest):
+                yield chunk
+        finally:
+            f.close()
+
+    async def _passthrough(self, queue_id: str) -> AsyncGenerator[bytes, None]:
+        body = self.inner.open(queue_id)
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            await body.aclose()
+
+    async def _serve(
+        self, queue_id: str, f: BinaryIO, size: int, digest: str
+    ) -> AsyncGenerator[bytes, None]:
+        h = hashlib.sha256()
+        sent = 0
+        while True:
+            try:
+                chunk = await asyncio.to_thread(f.read, READ_CHUNK)
+            except OSError as e:
+                self._evict(queue_id)
+                raise StoreUnavailable(f"body cache: {e}") from e
+            h.update(chunk)
+            sent += len(chunk)
+            last = sent >= size
+            if last and (sent != size or h.hexdigest() != digest):
+                self._evict(queue_id)
+                raise BodyCorrupt(f"body {queue_id}: cached copy damaged; dropped")
+            if chunk:
+                yield chunk
+            if last:
+                return
+
+    async def _download(self, queue_id: str, expected_size: int) -> None:
+        tmp = self.directory / f"{queue_id}{_SUFFIX}.{os.getpid()}.part"
+        h = hashlib.sha256()
+        size = 0
+        body = self.inner.open(queue_id)
+        try:
+            f = await asyncio.to_thread(tmp.open, "wb")
+            try:
+                async for chunk in body:
+                    h.update(chunk)
+                    size += len(chunk)
+                    await asyncio.to_thread(f.write, chunk)
+            finally:
+                f.close()
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreUnavailable(f"body cache: {e}") from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            await body.aclose()
+        if size > self.max_bytes:  # replaced by a bigger body since info()
+            tmp.unlink(missing_ok=True)
+            return
+        self._evict(queue_id)
+        self._make_room(size)
+        os.replace(tmp, self._path(queue_id))
+        self._lru[queue_id] = (size, h.hexdigest())
+        self._used += size
+        if size != expected_size:
+            log.info(
+                "body %s: size changed while caching (%d != %d)", queue_id, size, expected_size
+            )
+
+    async def close(self) -> None:
+        """Forget every cached body; remove the directory if this cache created it."""
+        for queue_id in list(self._lru):
+            self._evict(queue_id)
+        if self._own_dir:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.directory)

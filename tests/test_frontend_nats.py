@@ -1,0 +1,131 @@
+"""The front end on JetStream stores (a real nats-server per test, port 0, temp dir).
+
+DESIGN.md §2.1: 250 only after body, entry and work item are stored in JetStream; 451, never
+250, while NATS is unreachable; new mail is accepted again once NATS is back, without
+restarting the front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from email.message import EmailMessage
+
+import aiosmtplib
+from support.frontend import (
+    Wire,
+    body_of,
+    dot_stuff,
+    frontend_settings,
+    queued_id,
+    running,
+    split_body,
+)
+from support.nats import make_settings
+
+from jsqueue.names import Names
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.store.base import Stores
+from jsqueue.store.jetstream import open_jetstream
+
+MESSAGE = (
+    b"From: alice@example.test\r\nTo: bob@dest.example.test\r\nSubject: js\r\n\r\n.dot\r\nbody\r\n"
+)
+
+
+async def test_message_is_in_jetstream_before_250(js_stores: Stores) -> None:
+    """Body (object store), entry (KV) and one work item per domain (stream) exist once the
+    client has its 250; the stored body is the Received: field plus the message."""
+    msg = EmailMessage()
+    msg["From"], msg["To"], msg["Subject"] = "alice@example.test", "bob@dest.example.test", "js"
+    msg.set_content("hello\n.dotted\n")
+    async with running(frontend_settings(), js_stores) as server:
+        errors, text = await aiosmtplib.send(
+            msg,
+            sender="alice@example.test",
+            recipients=["bob@dest.example.test", "carol@other.example.test"],
+            hostname="127.0.0.1",
+            port=server.port,
+        )
+    assert errors == {}
+    qid = text.rsplit(" ", 1)[1]
+    entry = (await js_stores.entries.get(qid)).entry
+    body = await body_of(js_stores, qid)
+    assert split_body(body)[1] == msg.as_bytes(policy=msg.policy.clone(linesep="\r\n"))
+    assert (entry.size, entry.digest) == (len(body), hashlib.sha256(body).hexdigest())
+    due = await js_stores.scheduler.fetch(batch=10, timeout_s=5)
+    assert sorted((d.item.queue_id, d.item.domain) for d in due) == [
+        (qid, "dest.example.test"),
+        (qid, "other.example.test"),
+    ]
+    for d in due:
+        await d.ack()
+
+
+async def test_rejected_message_leaves_nothing_in_jetstream(js_stores: Stores) -> None:
+    """A message rejected after its body upload started (oversize, > one chunk) is removed
+    from the object store; the session goes on."""
+    big = b"Subject: big\r\n\r\n" + (b"x" * 76 + b"\r\n") * 20_000
+    async with running(frontend_settings(max_message_size=1_000_000), js_stores) as server:
+        w = await Wire.connect(server.port)
+        r = await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(big))
+        assert (r.code, r.enhanced) == (552, "5.3.4")
+        qid = queued_id(
+            await w.transaction(
+                "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE), ehlo=False
+            )
+        )
+    page = await js_stores.entries.page()
+    assert [v.entry.id for v in page] == [qid]
+
+
+async def _attempt(port: int) -> int:
+    w = await Wire.connect(port)
+    try:
+        r = await w.transaction("alice@example.test", ["bob@dest.example.test"], dot_stuff(MESSAGE))
+        await w.expect("QUIT", 221)
+    finally:
+        await w.close()
+    return r.code
+
+
+async def test_nats_outage_gives_451_and_mail_flows_again_after_restart(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    """DESIGN.md §2.1 / brief item 6: NATS stopped → 451 4.3.0, never 250; NATS restarted on
+    the same port and store dir → the same front end (no restart) answers 250 again, and
+    the message accepted before the outage is still there."""
+    stores = await open_jetstream(
+        make_settings(request_timeout_s=1.0), [nats_server.url], names=names
+    )
+    try:
+        async with running(
+            frontend_settings(store_timeout_s=2.0, dedupe_window_s=0), stores
+        ) as server:
+            w = await Wire.connect(server.port)
+            before = queued_id(
+                await w.transaction(
+                    "alice@example.test", ["bob@dest.example.test"], dot_stuff(MESSAGE)
+                )
+            )
+            await w.expect("QUIT", 221)
+
+            await nats_server.stop()
+            w = await Wire.connect(server.port)
+            r = await w.transaction(
+                "alice@example.test", ["bob@dest.example.test"], dot_stuff(MESSAGE)
+            )
+            assert (r.code, r.enhanced) == (451, "4.3.0")
+            await w.expect("NOOP", 250)
+
+            await nats_server.start()
+            # Like a real client after a 451: try again until accepted (bounded).
+            codes = []
+            async with asyncio.timeout(30):
+                while not codes or codes[-1] != 250:
+                    codes.append(await _attempt(server.port))
+            assert set(codes) <= {250, 451}
+        assert (await stores.entries.get(before)).entry.reverse_path == "alice@example.test"
+        assert split_body(await body_of(stores, before))[1] == MESSAGE
+    finally:
+        await stores.close()

@@ -1,0 +1,259 @@
+"""The embedded nats-server, connecting, and provisioning of streams, buckets and consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js import api
+from support.nats import make_settings, unique_names
+
+from jsqueue import nats_server
+from jsqueue.config import NatsSettings
+from jsqueue.errors import ConfigError, JsqueueError, ProvisioningError, StoreUnavailable
+from jsqueue.names import Names
+from jsqueue.nats_server import DEFAULT_CONFIG, EmbeddedNats, default_config_file, find_nats_server
+from jsqueue.store.jetstream import open_jetstream
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def connect(url: str) -> NATS:
+    nc = NATS()
+    await nc.connect(url, allow_reconnect=False, connect_timeout=1)
+    return nc
+
+
+async def can_connect(url: str) -> bool:
+    nc = await connect(url)
+    await nc.close()
+    return True
+
+
+# --------------------------------------------------------------------------- server
+
+
+async def test_start_stop_restart_on_port_zero(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "nats", port=0)
+    with pytest.raises(JsqueueError):
+        _ = server.url  # no port yet
+    await server.start()
+    try:
+        assert server.running and server.port > 0
+        assert server.url == f"nats://127.0.0.1:{server.port}"
+        assert await can_connect(server.url)
+        assert "Server is ready" in server.log_file.read_text()
+        await server.start()  # already running: no-op
+        port = server.port
+        await server.restart()
+        assert server.port == port and await can_connect(server.url)
+        server.kill()
+        assert not server.running
+        await server.start()
+        assert server.port == port and await can_connect(server.url)
+    finally:
+        await server.stop()
+    assert not server.running
+    await server.stop()  # idempotent
+    server.kill()  # idempotent
+
+
+async def test_context_manager_and_fixed_port(tmp_path: Path) -> None:
+    port = free_port()
+    async with EmbeddedNats(tmp_path, port=port) as server:
+        assert server.url == f"nats://127.0.0.1:{port}"
+        assert await can_connect(server.url)
+    assert not server.running
+
+
+async def test_port_taken_is_a_clear_error(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    other = EmbeddedNats(tmp_path / "other", port=nats_server.port)
+    with pytest.raises(JsqueueError, match="already in use"):
+        await other.start()
+    assert not other.running
+
+
+async def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path, port=0, binary=tmp_path / "no-such-nats-server")
+    with pytest.raises(JsqueueError, match="cannot start nats-server"):
+        await server.start()
+
+
+def test_binary_found_without_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "")
+    assert find_nats_server().is_file()
+
+
+def test_config_copy_matches_repo_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo_conf = REPO / "nats" / "jsqueue.conf"
+    assert repo_conf.read_text() == DEFAULT_CONFIG
+    assert "sync_interval: always" in DEFAULT_CONFIG
+    assert default_config_file(tmp_path) == repo_conf
+    # Installed without the repository: the packaged copy is written to the store dir.
+    monkeypatch.setattr(nats_server, "__file__", str(tmp_path / "site" / "jsqueue" / "x.py"))
+    written = default_config_file(tmp_path)
+    assert written == tmp_path / "jsqueue.conf"
+    assert written.read_text() == DEFAULT_CONFIG
+
+
+async def test_data_survives_graceful_restart(tmp_path: Path) -> None:
+    async with EmbeddedNats(tmp_path, port=0) as server:
+        nc = await connect(server.url)
+        js = nc.jetstream()
+        await js.add_stream(name="KEEP", subjects=["keep.>"])
+        await js.publish("keep.a", b"1")
+        await nc.close()
+        await server.restart()
+        nc = await connect(server.url)
+        info = await nc.jetstream().stream_info("KEEP")
+        assert info.state.messages == 1
+        await nc.close()
+
+
+# --------------------------------------------------------------------------- connecting
+
+
+async def test_unreachable_nats_fails_fast() -> None:
+    settings = make_settings(connect_timeout_s=0.5)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(StoreUnavailable, match="cannot connect"):
+        await open_jetstream(settings, [f"nats://127.0.0.1:{free_port()}"])
+    assert loop.time() - start < 2.0
+
+
+async def test_no_url_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        await open_jetstream(NatsSettings())
+
+
+# --------------------------------------------------------------------------- provisioning
+
+
+async def consumer_config(url: str, names: Names) -> api.ConsumerConfig:
+    nc = await connect(url)
+    try:
+        info = await nc.jetstream().consumer_info(names.work_stream, names.work_consumer)
+        return info.config
+    finally:
+        await nc.close()
+
+
+async def test_provisioning_creates_everything_with_design_settings(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    settings = make_settings(ack_wait_s=7, max_ack_pending=50_000)
+    stores = await open_jetstream(settings, [nats_server.url], names=names)
+    await stores.close()
+    nc = await connect(nats_server.url)
+    js = nc.jetstream()
+    try:
+        kv = (await js.stream_info(f"KV_{names.entries_bucket}")).config
+        assert kv.allow_direct and kv.max_msgs_per_subject == 1 and kv.num_replicas == 1
+        obj = (await js.stream_info(f"OBJ_{names.bodies_bucket}")).config
+        assert obj.allow_direct and obj.allow_rollup_hdrs
+        work = (await js.stream_info(names.work_stream)).config
+        assert work.retention == "workqueue"
+        assert work.subjects == [names.work_subjects]
+        assert work.duplicate_window == 120
+        events = (await js.stream_info(names.events_stream)).config
+        assert events.retention == "limits" and events.subjects == [f"{names.prefix}.events.>"]
+        cc = (await js.consumer_info(names.work_stream, names.work_consumer)).config
+        assert cc.durable_name == names.work_consumer
+        assert cc.ack_policy == "explicit"
+        assert cc.ack_wait == 7
+        assert cc.max_deliver == -1
+        assert cc.max_ack_pending == 50_000
+        assert not cc.backoff
+    finally:
+        await nc.close()
+
+
+async def test_provisioning_is_idempotent_and_concurrent(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    settings = make_settings()
+    opened = await asyncio.gather(
+        *(open_jetstream(settings, [nats_server.url], names=names) for _ in range(4))
+    )
+    for stores in opened:
+        await stores.close()
+    again = await open_jetstream(settings, [nats_server.url], names=names)
+    await again.close()
+
+
+async def test_changed_consumer_settings_are_applied(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    first = await open_jetstream(make_settings(ack_wait_s=2), [nats_server.url], names=names)
+    await first.close()
+    changed = make_settings(ack_wait_s=9, max_ack_pending=123_456)
+    second = await open_jetstream(changed, [nats_server.url], names=names)
+    await second.close()
+    cc = await consumer_config(nats_server.url, names)
+    assert cc.ack_wait == 9 and cc.max_ack_pending == 123_456
+
+
+async def test_consumer_backoff_and_max_deliver_are_removed(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    first = await open_jetstream(make_settings(), [nats_server.url], names=names)
+    await first.close()
+    nc = await connect(nats_server.url)
+    cc = await consumer_config(nats_server.url, names)
+    await nc.jetstream().add_consumer(
+        names.work_stream,
+        cc.evolve(backoff=[1.0, 5.0], max_deliver=5, ack_wait=1.0, description="hand-made"),
+    )
+    await nc.close()
+    stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+    await stores.close()
+    cc = await consumer_config(nats_server.url, names)
+    assert not cc.backoff and cc.max_deliver == -1
+
+
+async def test_unapplicable_settings_raise_provisioning_error(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    # Three replicas cannot be had from a single node: the error names stream and setting.
+    with pytest.raises(ProvisioningError, match=r"stream OBJ_.*replicas > 1"):
+        await open_jetstream(make_settings(replicas=3), [nats_server.url], names=names)
+    other = unique_names()
+    stores = await open_jetstream(make_settings(), [nats_server.url], names=other)
+    await stores.close()
+    with pytest.raises(ProvisioningError, match="num_replicas is 1, want 3"):
+        await open_jetstream(make_settings(replicas=3), [nats_server.url], names=other)
+
+
+async def test_existing_stream_with_wrong_retention(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    nc = await connect(nats_server.url)
+    await nc.jetstream().add_stream(name=names.work_stream, subjects=[names.work_subjects])
+    await nc.close()
+    with pytest.raises(ProvisioningError, match=f"stream {names.work_stream}: retention"):
+        await open_jetstream(make_settings(), [nats_server.url], names=names)
+
+
+async def test_changed_stream_settings_are_applied(nats_server: EmbeddedNats, names: Names) -> None:
+    nc = await connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(name=names.events_stream, subjects=[names.event_subject(">")], max_age=3600)
+    try:
+        stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+        await stores.close()
+        events = (await js.stream_info(names.events_stream)).config
+        assert events.max_age == 7 * 86400
+        assert events.duplicate_window == 120
+    finally:
+        await nc.close()

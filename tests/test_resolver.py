@@ -1,0 +1,267 @@
+"""MX resolution against a real authoritative DNS server on loopback (RFC 5321 §5.1, RFC 7505).
+
+Zones come from the cases' ``dns.txt`` files; the resolver never touches the system resolver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.dns import DnsServer
+from support.mx import SmtpdMx, ipv6_loopback_available, shared_port, trap
+
+from jsqueue.config import SmarthostSettings, WorkerSettings
+from jsqueue.delivery import (
+    BodySource,
+    DeliveryEnvelope,
+    DnsResolver,
+    MxTarget,
+    SmarthostResolver,
+    StaticResolver,
+    deliver_domain,
+    resolver_from_settings,
+)
+from jsqueue.envelope import Recipient
+from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
+
+CASES = Path("/work/shared/cases")
+DNS_TIMEOUT_S = 0.5
+
+
+def case_zone(*cases: str) -> str:
+    return "\n".join((CASES / case / "dns.txt").read_text() for case in cases)
+
+
+@pytest.fixture(params=[True, False], ids=["server-chases-cname", "client-chases-cname"])
+def dns(request: pytest.FixtureRequest) -> Iterator[DnsServer]:
+    zone = case_zone("CASE-09", "CASE-11", "CASE-12", "CASE-23")
+    with DnsServer(zone, chase_cnames=request.param) as server:
+        yield server
+
+
+def resolver_for(dns: DnsServer, **kwargs: object) -> DnsResolver:
+    return DnsResolver(dns.nameservers, port=dns.port, timeout_s=DNS_TIMEOUT_S, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_null_mx_is_permanent_without_address_lookup(dns: DnsServer) -> None:
+    """CASE-09 / RFC 7505 §3: a single ``MX 0 .`` fails permanently with 5.1.10 and the
+    domain's A record (a trap) is not even looked up."""
+    with pytest.raises(PermanentDeliveryError) as err:
+        await resolver_for(dns).resolve("nomail.example.test")
+    assert err.value.reply.code == 550
+    assert err.value.reply.enhanced == "5.1.10"
+    assert "null MX" in err.value.reply.text
+    assert ("nomail.example.test", "A") not in dns.queried
+
+
+async def test_null_mx_delivery_never_connects(dns: DnsServer) -> None:
+    """CASE-09 expected 1-2: no TCP connection to the trap at 127.0.2.55; every recipient
+    gets the permanent 5.1.10 reply on the first attempt."""
+    port = shared_port(["127.0.2.55"])
+    settings = WorkerSettings(mx_port=port, nameservers=dns.nameservers, nameserver_port=dns.port)
+    envelope = DeliveryEnvelope(
+        domain="nomail.example.test",
+        reverse_path="alice@example.test",
+        recipients=(Recipient.from_address("nobody@nomail.example.test"),),
+    )
+    async with trap("127.0.2.55", port) as t:
+        result = await deliver_domain(
+            resolver_from_settings(settings), envelope, BodySource.from_bytes(b"x\r\n"), settings
+        )
+    assert t.connections == 0
+    assert result.replies["nobody@nomail.example.test"].enhanced == "5.1.10"
+    assert result.mx_host is None
+
+
+async def test_cname_at_domain_uses_target_mx(dns: DnsServer) -> None:
+    """CASE-11 variant A (RFC 5321 §5.1): alias.example.test CNAME real.example.test; the
+    MX of the target is used (127.0.2.30), never real's own A record (trap 127.0.2.31)."""
+    targets = await resolver_for(dns).resolve("alias.example.test")
+    assert [t.address for t in targets] == ["127.0.2.30"]
+    assert targets[0].host == "mx.real.example.test"
+
+
+async def test_cname_at_mx_host_is_followed(dns: DnsServer) -> None:
+    """CASE-11 variant B: the MX host name is an alias; its target's address is used."""
+    targets = await resolver_for(dns).resolve("cn.example.test")
+    assert [(t.host, t.address) for t in targets] == [("mail.cn.example.test", "127.0.2.40")]
+
+
+async def test_cname_loop_fails_temporarily_and_fast(dns: DnsServer) -> None:
+    """CASE-11 variant C: a CNAME loop is detected: temporary 4.4.3, well within the DNS
+    timeout, no unbounded recursion."""
+    started = time.monotonic()
+    with pytest.raises(TemporaryDeliveryError) as err:
+        await resolver_for(dns).resolve("loop.example.test")
+    assert time.monotonic() - started < DNS_TIMEOUT_S
+    assert err.value.reply.enhanced == "4.4.3"
+    assert "CNAME loop" in err.value.reply.text
+
+
+async def test_servfail_is_temporary(dns: DnsServer) -> None:
+    """CASE-12 expected 1: SERVFAIL -> temporary 4.4.3; the domain's A record (a trap) is not
+    used as an implicit MX."""
+    with pytest.raises(TemporaryDeliveryError) as err:
+        await resolver_for(dns).resolve("servfail.example.test")
+    assert err.value.reply.code == 451 and err.value.reply.enhanced == "4.4.3"
+    assert ("servfail.example.test", "A") not in dns.queried
+
+
+async def test_nxdomain_is_permanent(dns: DnsServer) -> None:
+    """CASE-12 expected 3: NXDOMAIN -> permanent 5.1.2 on the first attempt."""
+    with pytest.raises(PermanentDeliveryError) as err:
+        await resolver_for(dns).resolve("nx.example.test")
+    assert err.value.reply.code == 550 and err.value.reply.enhanced == "5.1.2"
+
+
+async def test_no_mx_uses_implicit_mx(dns: DnsServer) -> None:
+    """CASE-12 expected 4 (RFC 5321 §5.1): NOERROR/NODATA for MX -> the domain's A record."""
+    targets = await resolver_for(dns).resolve("nomx.example.test")
+    assert targets == [MxTarget(host="nomx.example.test", address="127.0.2.50")]
+
+
+async def test_timeout_is_temporary_bounded_and_does_not_block_others(dns: DnsServer) -> None:
+    """CASE-12 expected 2: a dropped query fails temporarily within the DNS timeout, and
+    other lookups running at the same time finish promptly."""
+    resolver = resolver_for(dns)
+    started = time.monotonic()
+    slow = asyncio.create_task(resolver.resolve("slow.example.test"))
+    fast = await resolver.resolve("nomx.example.test")
+    fast_elapsed = time.monotonic() - started
+    with pytest.raises(TemporaryDeliveryError) as err:
+        await slow
+    slow_elapsed = time.monotonic() - started
+    assert fast[0].address == "127.0.2.50"
+    assert fast_elapsed < DNS_TIMEOUT_S / 2
+    assert DNS_TIMEOUT_S * 0.8 <= slow_elapsed < DNS_TIMEOUT_S + 1.5
+    assert err.value.reply.enhanced == "4.4.3" and "timed out" in err.value.reply.text
+
+
+async def test_aaaa_only_domain_resolves_to_ipv6(dns: DnsServer) -> None:
+    """CASE-12 expected 5: no MX, no A, AAAA ::1 -> implicit MX at [::1]."""
+    targets = await resolver_for(dns).resolve("v6only.example.test")
+    assert [t.address for t in targets] == ["::1"]
+
+
+async def test_aaaa_only_domain_delivers_over_ipv6_or_defers() -> None:
+    """CASE-12 expected 5: delivered to [::1] when IPv6 loopback works, otherwise a
+    temporary failure, never a permanent one."""
+    zone = case_zone("CASE-12")
+    with DnsServer(zone) as dns:
+        port = shared_port(["::1"]) if ipv6_loopback_available() else shared_port(["127.0.0.1"])
+        settings = WorkerSettings(
+            mx_port=port, nameservers=dns.nameservers, nameserver_port=dns.port
+        )
+        envelope = DeliveryEnvelope(
+            domain="v6only.example.test",
+            reverse_path="alice@example.test",
+            recipients=(Recipient.from_address("user@v6only.example.test"),),
+        )
+        body = BodySource.from_bytes((CASES / "CASE-12" / "message.eml").read_bytes())
+        if ipv6_loopback_available():
+            async with SmtpdMx("::1", port) as mx:
+                result = await deliver_domain(
+                    resolver_from_settings(settings), envelope, body, settings
+                )
+            assert result.replies["user@v6only.example.test"].is_success
+            assert mx.delivered[0].rcpt_to == ["user@v6only.example.test"]
+        else:
+            result = await deliver_domain(
+                resolver_from_settings(settings), envelope, body, settings
+            )
+            assert result.replies["user@v6only.example.test"].is_temporary
+
+
+async def test_idn_domain_is_looked_up_as_a_label(dns: DnsServer) -> None:
+    """CASE-23 variant A (RFC 6531 §3.2, RFC 5890): the U-label domain's MX is looked up
+    under its A-label."""
+    targets = await resolver_for(dns).resolve("bücher.example.test")
+    assert targets[0].address == "127.0.2.190"
+    assert ("xn--bcher-kva.example.test", "MX") in dns.queried
+
+
+async def test_address_literals_bypass_dns(dns: DnsServer) -> None:
+    """RFC 5321 §4.1.3: address literals are used as they are, without any DNS query."""
+    resolver = resolver_for(dns)
+    assert await resolver.resolve("[127.0.2.9]") == [
+        MxTarget(host="[127.0.2.9]", address="127.0.2.9")
+    ]
+    assert (await resolver.resolve("[IPv6:::1]"))[0].address == "::1"
+    assert dns.queries == []
+
+
+async def test_preference_order_and_shuffle_of_equal_preferences() -> None:
+    """RFC 5321 §5.1: lower preference first; equal preferences in random order."""
+    zone = """
+        multi.example.test. 300 IN MX 20 c.example.test.
+        multi.example.test. 300 IN MX 10 a.example.test.
+        multi.example.test. 300 IN MX 10 b.example.test.
+        a.example.test. 300 IN A 127.0.2.1
+        b.example.test. 300 IN A 127.0.2.2
+        c.example.test. 300 IN A 127.0.2.3
+        c.example.test. 300 IN AAAA ::1
+    """
+    with DnsServer(zone) as dns:
+        orders = set()
+        for seed in range(12):
+            targets = await resolver_for(dns, rng=random.Random(seed)).resolve("multi.example.test")
+            assert [t.preference for t in targets] == [10, 10, 20, 20]
+            assert [t.address for t in targets[2:]] == ["127.0.2.3", "::1"]
+            orders.add(tuple(t.host for t in targets[:2]))
+        assert orders == {
+            ("a.example.test", "b.example.test"),
+            ("b.example.test", "a.example.test"),
+        }
+        capped = await resolver_for(dns, max_addresses=3).resolve("multi.example.test")
+        assert len(capped) == 3
+
+
+async def test_mx_hosts_without_address() -> None:
+    """RFC 5321 §5.1: MX hosts that do not exist -> permanent 5.4.4; one whose lookup fails
+    temporarily -> temporary; a working host among broken ones is used."""
+    zone = """
+        gone.example.test.   300 IN MX 10 nohost.example.test.
+        flaky.example.test.  300 IN MX 10 broken.example.test.
+        broken.example.test. A SERVFAIL
+        broken.example.test. 300 IN MX 10 other.example.test.
+        mixed.example.test.  300 IN MX 10 nohost.example.test.
+        mixed.example.test.  300 IN MX 20 ok.example.test.
+        ok.example.test.     300 IN A 127.0.2.7
+    """
+    with DnsServer(zone) as dns:
+        resolver = resolver_for(dns)
+        with pytest.raises(PermanentDeliveryError) as perm:
+            await resolver.resolve("gone.example.test")
+        assert perm.value.reply.enhanced == "5.4.4"
+        with pytest.raises(TemporaryDeliveryError):
+            await resolver.resolve("flaky.example.test")
+        assert [t.address for t in await resolver.resolve("mixed.example.test")] == ["127.0.2.7"]
+
+
+async def test_smarthost_and_static_resolvers(dns: DnsServer) -> None:
+    """Smarthost mode: every domain goes to the relay, with its port and relay=True (the only
+    targets that may get AUTH credentials); names resolved through the configured DNS."""
+    literal = SmarthostResolver(SmarthostSettings(host="127.0.2.99", port=2525))
+    assert await literal.resolve("anything.test") == [
+        MxTarget(host="127.0.2.99", address="127.0.2.99", port=2525, relay=True)
+    ]
+    dns.add("relay.example.test. 300 IN A 127.0.2.98")
+    settings = WorkerSettings(
+        nameservers=dns.nameservers,
+        nameserver_port=dns.port,
+        smarthost=SmarthostSettings(host="relay.example.test", port=587),
+    )
+    named = await resolver_from_settings(settings).resolve("dest.example.test")
+    assert named == [
+        MxTarget(host="relay.example.test", address="127.0.2.98", port=587, relay=True)
+    ]
+    missing = SmarthostResolver(SmarthostSettings(host="nx.example.test"), dns=resolver_for(dns))
+    with pytest.raises(TemporaryDeliveryError):
+        await missing.resolve("dest.example.test")
+    fixed = [MxTarget(host="h", address="127.0.2.1")]
+    assert await StaticResolver(fixed).resolve("x.test") == fixed

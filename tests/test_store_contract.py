@@ -1,0 +1,520 @@
+"""One contract suite for every storage backend (memory and JetStream).
+
+Each test runs once per backend through the parametrised ``stores`` fixture, so the
+in-memory fake cannot drift from JetStream (STYLE.md habit 2). Time-dependent tests use
+the 2 s ack wait of the test stores and delays of at most 3 s; they wait with ``fetch``
+timeouts (the event being awaited), never with bare sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from support.nats import (
+    ACK_WAIT_S,
+    backlog_is,
+    chunks_of,
+    corrupt_body,
+    fetch_one,
+    loop_time,
+    make_entry,
+    read_body,
+)
+
+from jsqueue.envelope import EntryState, RecipientState, utcnow
+from jsqueue.errors import (
+    BodyCorrupt,
+    BodyNotFound,
+    EntryExists,
+    EntryNotFound,
+    InvalidName,
+    RevisionConflict,
+)
+from jsqueue.names import new_queue_id
+from jsqueue.store.base import BodyStore, Due, EntryStore, Scheduler, Stores, WorkItem
+from jsqueue.store.cache import CachedBodyStore
+from jsqueue.store.jetstream import JetStreamBodyStore
+
+
+def test_backends_satisfy_protocols(stores: Stores) -> None:
+    assert isinstance(stores.bodies, BodyStore)
+    assert isinstance(stores.entries, EntryStore)
+    assert isinstance(stores.scheduler, Scheduler)
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+async def test_body_round_trip(stores: Stores) -> None:
+    qid = new_queue_id()
+    data = b"Subject: hi\r\n\r\nhello\r\n"
+    info = await stores.bodies.put(qid, chunks_of(data, 5))
+    assert info.size == len(data)
+    assert info.digest == hashlib.sha256(data).hexdigest()
+    assert await stores.bodies.info(qid) == info
+    assert await read_body(stores, qid) == data
+
+
+async def test_multi_megabyte_body_is_streamed_in_chunks(stores: Stores) -> None:
+    qid = new_queue_id()
+    data = os.urandom(3 * 1024 * 1024 + 12345)
+    info = await stores.bodies.put(qid, chunks_of(data, 8192))
+    assert info.size == len(data)
+    sizes = []
+    parts = []
+    async for chunk in stores.bodies.open(qid):
+        sizes.append(len(chunk))
+        parts.append(chunk)
+    assert b"".join(parts) == data
+    assert len(sizes) >= 3
+    assert max(sizes) <= 1024 * 1024
+
+
+async def test_empty_body(stores: Stores) -> None:
+    qid = new_queue_id()
+    info = await stores.bodies.put(qid, chunks_of(b""))
+    assert info.size == 0
+    assert await read_body(stores, qid) == b""
+
+
+async def test_body_put_replaces(stores: Stores) -> None:
+    qid = new_queue_id()
+    await stores.bodies.put(qid, chunks_of(b"old body"))
+    info = await stores.bodies.put(qid, chunks_of(b"new body!"))
+    assert await read_body(stores, qid) == b"new body!"
+    assert await stores.bodies.info(qid) == info
+
+
+async def test_body_missing_and_delete(stores: Stores) -> None:
+    qid = new_queue_id()
+    with pytest.raises(BodyNotFound):
+        await read_body(stores, qid)
+    with pytest.raises(BodyNotFound):
+        await stores.bodies.info(qid)
+    await stores.bodies.delete(qid)  # idempotent
+    await stores.bodies.put(qid, chunks_of(b"x" * 1000))
+    await stores.bodies.delete(qid)
+    await stores.bodies.delete(qid)
+    with pytest.raises(BodyNotFound):
+        await read_body(stores, qid)
+
+
+@pytest.mark.parametrize("size", [100, 2 * 1024 * 1024 + 7])
+async def test_corrupt_body_raises_before_last_chunk(stores: Stores, size: int) -> None:
+    qid = new_queue_id()
+    data = os.urandom(size)
+    await stores.bodies.put(qid, chunks_of(data))
+    await corrupt_body(stores, qid)
+    received = 0
+    with pytest.raises(BodyCorrupt):
+        async for chunk in stores.bodies.open(qid):
+            received += len(chunk)
+    assert received < size  # the final chunk was never handed out
+
+
+async def test_failing_source_stores_nothing(stores: Stores) -> None:
+    class ClientGone(Exception):
+        pass
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield os.urandom(700 * 1024)
+        raise ClientGone
+
+    qid = new_queue_id()
+    with pytest.raises(ClientGone):  # the caller's own error, not a store error
+        await stores.bodies.put(qid, broken())
+    with pytest.raises(BodyNotFound):
+        await stores.bodies.info(qid)
+
+
+async def test_body_invalid_id(stores: Stores) -> None:
+    for bad in ("", "a.b", "*", ">", "has space", "X" * 26):
+        with pytest.raises(InvalidName):
+            await stores.bodies.put(bad, chunks_of(b"x"))
+        with pytest.raises(InvalidName):
+            await read_body(stores, bad)
+        with pytest.raises(InvalidName):
+            await stores.bodies.info(bad)
+
+
+# --------------------------------------------------------------------------- entries
+
+
+async def test_entry_create_get_update(stores: Stores) -> None:
+    entry = make_entry()
+    rev = await stores.entries.create(entry)
+    got = await stores.entries.get(entry.id)
+    assert got.entry == entry and got.revision == rev
+    with pytest.raises(EntryExists):
+        await stores.entries.create(entry)
+
+    changed = entry.model_copy(update={"generation": 1})
+    rev2 = await stores.entries.update(changed, rev)
+    assert rev2 > rev
+    assert await stores.entries.get(entry.id) == type(got)(changed, rev2)
+    with pytest.raises(RevisionConflict):
+        await stores.entries.update(entry, rev)  # stale revision
+    with pytest.raises(RevisionConflict):
+        await stores.entries.update(make_entry(), 1)  # never created
+
+
+async def test_entry_not_found_and_invalid(stores: Stores) -> None:
+    with pytest.raises(EntryNotFound):
+        await stores.entries.get(new_queue_id())
+    for bad in ("", "a.b", "q*", "q>", "a b", "0" * 27):
+        with pytest.raises(InvalidName):
+            await stores.entries.get(bad)
+        with pytest.raises(InvalidName):
+            await stores.entries.delete(bad)
+
+
+async def test_entry_delete(stores: Stores) -> None:
+    entry = make_entry()
+    rev = await stores.entries.create(entry)
+    with pytest.raises(RevisionConflict):
+        await stores.entries.delete(entry.id, revision=rev + 1000)
+    await stores.entries.delete(entry.id, revision=rev)
+    with pytest.raises(EntryNotFound):
+        await stores.entries.get(entry.id)
+    await stores.entries.delete(entry.id)  # idempotent without a revision
+    with pytest.raises(RevisionConflict):
+        await stores.entries.update(entry, rev)  # gone
+    with pytest.raises(RevisionConflict):
+        await stores.entries.delete(entry.id, revision=rev)
+    assert await stores.entries.page() == []
+    # A deleted id can be created again.
+    rev3 = await stores.entries.create(entry)
+    assert (await stores.entries.get(entry.id)).revision == rev3
+
+
+async def test_concurrent_updaters_exactly_one_wins(stores: Stores) -> None:
+    entry = make_entry()
+    rev = await stores.entries.create(entry)
+    for round_ in range(5):
+        a = entry.model_copy(update={"last_error": f"a{round_}"})
+        b = entry.model_copy(update={"last_error": f"b{round_}"})
+        results = await asyncio.gather(
+            stores.entries.update(a, rev), stores.entries.update(b, rev), return_exceptions=True
+        )
+        wins = [r for r in results if isinstance(r, int)]
+        losses = [r for r in results if isinstance(r, RevisionConflict)]
+        assert len(wins) == 1 and len(losses) == 1, results
+        rev = wins[0]
+        assert (await stores.entries.get(entry.id)).revision == rev
+
+
+async def test_page_in_key_order_with_state_filter(stores: Stores) -> None:
+    base_ms = 1_700_000_000_000
+    states = [
+        RecipientState.PENDING,
+        RecipientState.DEFERRED,
+        RecipientState.DELIVERED,
+        RecipientState.PENDING,
+        RecipientState.DEFERRED,
+        RecipientState.PENDING,
+        RecipientState.BOUNCED,
+    ]
+    ids = [new_queue_id(now_ms=base_ms + i) for i in range(len(states))]
+    # Create in reverse, then update the first: write order differs from key order.
+    revs = {}
+    for qid, st in reversed(list(zip(ids, states, strict=True))):
+        revs[qid] = await stores.entries.create(make_entry(qid, st))
+    await stores.entries.update(make_entry(ids[0], RecipientState.PENDING), revs[ids[0]])
+
+    first = await stores.entries.page(limit=3)
+    assert [v.entry.id for v in first] == ids[:3]
+    second = await stores.entries.page(after=first[-1].entry.id, limit=3)
+    assert [v.entry.id for v in second] == ids[3:6]
+    third = await stores.entries.page(after=second[-1].entry.id, limit=3)
+    assert [v.entry.id for v in third] == ids[6:]
+    assert await stores.entries.page(after=ids[-1]) == []
+
+    pending = await stores.entries.page(state=EntryState.PENDING, limit=2)
+    assert [v.entry.id for v in pending] == [ids[0], ids[3]]
+    rest = await stores.entries.page(state=EntryState.PENDING, after=ids[3], limit=2)
+    assert [v.entry.id for v in rest] == [ids[5]]
+    done = await stores.entries.page(state=EntryState.DONE)
+    assert [v.entry.id for v in done] == [ids[2], ids[6]]
+    for v in first:
+        assert v.revision == (await stores.entries.get(v.entry.id)).revision
+
+
+async def test_count_by_state(stores: Stores) -> None:
+    assert await stores.entries.count_by_state() == {}
+    for st in (RecipientState.PENDING, RecipientState.PENDING, RecipientState.DEFERRED):
+        await stores.entries.create(make_entry(None, st))
+    await stores.entries.create(make_entry(None, RecipientState.DELIVERED, RecipientState.ACTIVE))
+    await stores.entries.create(make_entry(None, RecipientState.PENDING, held=True))
+    gone = make_entry()
+    await stores.entries.create(gone)
+    await stores.entries.delete(gone.id)
+    assert await stores.entries.count_by_state() == {
+        EntryState.PENDING: 2,
+        EntryState.DEFERRED: 1,
+        EntryState.ACTIVE: 1,
+        EntryState.HELD: 1,
+    }
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+async def test_schedule_fetch_ack(stores: Stores) -> None:
+    s = stores.scheduler
+    item = WorkItem(new_queue_id(), "example.com", 3)
+    await s.schedule(item)
+    due = await fetch_one(s, 2.0)
+    assert due.item == item
+    assert due.deliveries == 1
+    await due.ack()
+    await backlog_is(s, 0)
+    assert await s.fetch(10, 0.3) == []
+
+
+async def test_not_yet_due_item_not_returned_early(stores: Stores) -> None:
+    s = stores.scheduler
+    item = WorkItem(new_queue_id(), "example.com")
+    at = utcnow() + timedelta(seconds=1.5)
+    await s.schedule(item, at)
+    assert await s.fetch(10, 0.5) == []
+    due = await fetch_one(s, 3.0)
+    assert utcnow() >= at - timedelta(milliseconds=50)
+    assert due.item == item
+    await due.ack()
+
+
+async def test_retry_with_delay(stores: Stores) -> None:
+    s = stores.scheduler
+    await s.schedule(WorkItem(new_queue_id(), "example.com"))
+    due = await fetch_one(s, 2.0)
+    start = loop_time()
+    await due.retry(1.0)
+    assert await s.fetch(10, 0.5) == []
+    again = await fetch_one(s, 3.0)
+    assert 0.9 <= loop_time() - start <= 2.5
+    assert again.item == due.item
+    assert again.deliveries == 2
+    await again.ack()
+    await backlog_is(s, 0)
+
+
+async def test_term_drops_item(stores: Stores) -> None:
+    s = stores.scheduler
+    await s.schedule(WorkItem(new_queue_id(), "example.com"))
+    due = await fetch_one(s, 2.0)
+    await due.term()
+    await due.ack()  # settling twice is a no-op
+    await backlog_is(s, 0)
+    assert await s.fetch(10, 0.3) == []  # backlog 0: it cannot come back
+
+
+async def test_unsettled_item_redelivered_after_ack_wait(stores: Stores) -> None:
+    s = stores.scheduler
+    await s.schedule(WorkItem(new_queue_id(), "example.com"))
+    due = await fetch_one(s, 2.0)
+    start = loop_time()
+    again = await fetch_one(s, ACK_WAIT_S + 2.0)
+    assert ACK_WAIT_S - 0.2 <= loop_time() - start <= ACK_WAIT_S + 1.5
+    assert again.item == due.item and again.deliveries == 2
+    await again.ack()
+
+
+async def test_in_progress_extends_ack_wait(stores: Stores) -> None:
+    s = stores.scheduler
+    await s.schedule(WorkItem(new_queue_id(), "example.com"))
+    due = await fetch_one(s, 2.0)
+    assert await s.fetch(10, 1.2) == []
+    await due.in_progress()
+    # Without in_progress it would be back 2 s after the fetch (0.8 s from now).
+    assert await s.fetch(10, 1.5) == []
+    again = await fetch_one(s, 2.0)
+    assert again.deliveries == 2
+    await again.ack()
+
+
+async def test_flush_of_deferred_item_takes_effect_within_a_second(stores: Stores) -> None:
+    s = stores.scheduler
+    qid = new_queue_id()
+    # An item deferred by a NAK for an hour ...
+    await s.schedule(WorkItem(qid, "example.com"))
+    due = await fetch_one(s, 2.0)
+    await due.retry(3600)
+    # ... and one scheduled an hour ahead.
+    await s.schedule(WorkItem(qid, "example.net"), utcnow() + timedelta(hours=1))
+    assert await s.fetch(10, 0.3) == []
+    start = loop_time()
+    await s.flush(WorkItem(qid, "example.com", 1))
+    await s.flush(WorkItem(qid, "example.net", 0))  # same generation as the purged one
+    got: list[Due] = []
+    while len(got) < 2 and loop_time() - start < 3.0:
+        got += await s.fetch(10, 3.0 - (loop_time() - start))
+    assert loop_time() - start <= 1.5
+    assert sorted((d.item.domain, d.item.generation) for d in got) == [
+        ("example.com", 1),
+        ("example.net", 0),
+    ]
+    for d in got:
+        await d.ack()
+    await backlog_is(s, 0)
+
+
+async def test_cancel_removes_every_item_of_an_entry(stores: Stores) -> None:
+    s = stores.scheduler
+    qid, other = new_queue_id(), new_queue_id()
+    await s.schedule(WorkItem(qid, "example.com"))
+    await s.schedule(WorkItem(qid, "example.net"), utcnow() + timedelta(hours=1))
+    await s.schedule(WorkItem(other, "example.com"))
+    await s.cancel(qid)
+    await s.cancel(qid)  # idempotent
+    due = await fetch_one(s, 2.0)
+    assert due.item.queue_id == other
+    await due.ack()
+    await backlog_is(s, 0)
+    with pytest.raises(InvalidName):
+        await s.cancel("not.an.id")
+
+
+async def test_backlog_counts_due_deferred_and_in_flight(stores: Stores) -> None:
+    s = stores.scheduler
+    assert await s.backlog() == 0
+    await s.schedule(WorkItem(new_queue_id(), "a.example"))
+    await s.schedule(WorkItem(new_queue_id(), "b.example"))
+    await s.schedule(WorkItem(new_queue_id(), "c.example"), utcnow() + timedelta(hours=1))
+    assert await s.backlog() == 3
+    got = await s.fetch(10, 2.0)
+    assert len(got) == 2
+    assert await s.backlog() == 3
+    await got[0].ack()
+    await backlog_is(s, 2)
+    await got[1].retry(3600)
+    await backlog_is(s, 2)
+
+
+async def test_schedule_is_idempotent(stores: Stores) -> None:
+    s = stores.scheduler
+    item = WorkItem(new_queue_id(), "example.com", 0)
+    await s.schedule(item)
+    await s.schedule(item)
+    await s.schedule(WorkItem(item.queue_id, "example.com", 1))  # a new generation is new
+    got = await s.fetch(10, 2.0)
+    got += await s.fetch(10, 0.3)
+    assert sorted(d.item.generation for d in got) == [0, 1]
+    for d in got:
+        await d.ack()
+
+
+async def test_schedule_rejects_invalid_names(stores: Stores) -> None:
+    s = stores.scheduler
+    for item in (
+        WorkItem("not-a-queue-id", "example.com"),
+        WorkItem(new_queue_id(), "exa mple.com"),
+        WorkItem(new_queue_id(), "example.*"),
+        WorkItem(new_queue_id(), ">"),
+        WorkItem(new_queue_id(), ""),
+    ):
+        with pytest.raises(InvalidName):
+            await s.schedule(item)
+    assert await s.backlog() == 0
+
+
+# --------------------------------------------------------------------------- body cache
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+async def cache(stores: Stores, tmp_path: Path) -> AsyncIterator[CachedBodyStore]:
+    c = CachedBodyStore(stores.bodies, max_bytes=3 * MIB, directory=tmp_path / "cache")
+    yield c
+    await c.close()
+
+
+async def read_cached(cache: CachedBodyStore, queue_id: str) -> bytes:
+    return b"".join([chunk async for chunk in cache.open(queue_id)])
+
+
+async def test_cache_downloads_once_then_serves_the_file(
+    stores: Stores, cache: CachedBodyStore
+) -> None:
+    assert isinstance(cache, BodyStore)
+    qid = new_queue_id()
+    data = os.urandom(MIB + 3)
+    info = await cache.put(qid, chunks_of(data))
+    assert await read_cached(cache, qid) == data
+    assert await read_cached(cache, qid) == data
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert cache.cached(qid) and cache.used_bytes == len(data)
+    assert await cache.info(qid) == info
+    await stores.bodies.delete(qid)  # behind the cache's back: still served from the file
+    assert await read_cached(cache, qid) == data
+    await cache.delete(qid)
+    assert not cache.cached(qid) and cache.used_bytes == 0
+    with pytest.raises(BodyNotFound):
+        await read_cached(cache, qid)
+
+
+async def test_cache_is_a_bounded_lru(stores: Stores, cache: CachedBodyStore) -> None:
+    bodies = {}
+    for name in ("a", "b", "c"):
+        bodies[name] = (new_queue_id(), os.urandom(MIB + MIB // 5))
+        await stores.bodies.put(bodies[name][0], chunks_of(bodies[name][1]))
+    for name in ("a", "b", "a", "c"):  # a is used again after b: b is least recently used
+        qid, data = bodies[name]
+        assert await read_cached(cache, qid) == data
+    assert cache.cached(bodies["a"][0]) and cache.cached(bodies["c"][0])
+    assert not cache.cached(bodies["b"][0])
+    assert cache.used_bytes <= cache.max_bytes
+    assert len(list(cache.directory.iterdir())) == 2
+    big, big_data = new_queue_id(), os.urandom(4 * MIB)  # larger than the cache: streamed
+    await stores.bodies.put(big, chunks_of(big_data))
+    assert await read_cached(cache, big) == big_data
+    assert not cache.cached(big)
+
+
+async def test_cache_never_keeps_a_corrupt_body(stores: Stores, cache: CachedBodyStore) -> None:
+    qid = new_queue_id()
+    await stores.bodies.put(qid, chunks_of(os.urandom(1000)))
+    await corrupt_body(stores, qid)
+    with pytest.raises(BodyCorrupt):
+        await read_cached(cache, qid)
+    assert not cache.cached(qid)
+    assert list(cache.directory.iterdir()) == []
+
+
+async def test_damaged_cache_file_is_detected_and_dropped(
+    stores: Stores, cache: CachedBodyStore
+) -> None:
+    qid = new_queue_id()
+    data = os.urandom(MIB)
+    await stores.bodies.put(qid, chunks_of(data))
+    assert await read_cached(cache, qid) == data
+    (path,) = cache.directory.iterdir()
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 1
+    path.write_bytes(bytes(raw))
+    received = 0
+    with pytest.raises(BodyCorrupt):
+        async for chunk in cache.open(qid):
+            received += len(chunk)
+    assert received < len(data)
+    assert not cache.cached(qid)
+    assert await read_cached(cache, qid) == data  # downloaded again
+
+
+async def test_jetstream_body_reads_create_no_consumers(js_stores: Stores) -> None:
+    """DESIGN.md §7: a consumer per read exhausts the stream's consumer limit."""
+    qid = new_queue_id()
+    data = os.urandom(600 * 1024)
+    await js_stores.bodies.put(qid, chunks_of(data))
+    reads = await asyncio.gather(*(read_body(js_stores, qid) for _ in range(50)))
+    assert all(r == data for r in reads)
+    bodies = js_stores.bodies
+    assert isinstance(bodies, JetStreamBodyStore)
+    info = await bodies.js.stream_info(bodies.stream)
+    assert info.state.consumer_count == 0

@@ -1,0 +1,288 @@
+"""Workers under faults: crashes at every step (CASE-14), SIGKILL of a worker process,
+two workers racing, graceful drain, and a 25 MB message. Real nats-server, DNS and MXes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.cases import case_message, case_text
+from support.mx import SILENT, ScriptedMx, SmtpdMx
+from support.queue import Harness, eventually
+from test_worker import SENDER_ZONE, dsn_parts, gone
+
+from jsqueue.envelope import Entry, Recipient, RecipientState
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.store.jetstream import JetStreamDue
+from jsqueue.worker import BodySource, Worker
+
+
+class Crash(BaseException):
+    """Stands for SIGKILL inside the process: nothing after the kill point happens."""
+
+
+async def kill(worker_task: asyncio.Task[None], w: Worker, stop: asyncio.Event) -> None:
+    """End a crashed worker once its other in-flight work is over: nothing of the crashed
+    item is settled, so it comes back after the ack wait like after SIGKILL."""
+    await eventually(lambda: not w._tasks, what="in-flight work of the killed worker")
+    stop.set()
+    await asyncio.wait_for(worker_task, 10)
+
+
+async def get_entry(h: Harness, qid: str) -> Entry:
+    e = await h.entry(qid)
+    assert e is not None
+    return e
+
+
+def recipient(e: Entry, address: str) -> Recipient:
+    return next(r for r in e.recipients if r.address == address)
+
+
+@pytest.mark.parametrize("kill_point", ["K1", "K2", "K3", "K4"])
+async def test_restart_mid_delivery_case14(
+    queue_harness: Harness,
+    nats_server: EmbeddedNats,
+    monkeypatch: pytest.MonkeyPatch,
+    kill_point: str,
+) -> None:
+    """CASE-14: a worker dies at K1 (permanent failure decided, no DSN yet), K2 (DSN
+    queued, original not yet marked), K3 (remote 250, nothing recorded) or K4 (all
+    recorded, not acked; NATS restarted too). Afterwards: one DSN for gone@, ok@ delivered
+    once (K3: at most one extra copy, RFC 5321 §6.1), later@ keeps its attempt count and
+    schedule."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-14", "dns.txt") + SENDER_ZONE)
+    # a short lease: a claim left by the dead worker (K3) runs out quickly
+    h.configure(retry={"base_s": 3.0}, worker={"lease_s": 4.0})
+    ok_rcpt, gone_rcpt, later_rcpt = (
+        "ok@ok.example.test",
+        "gone@nomail.example.test",
+        "later@slow.example.test",
+    )
+    crashed = asyncio.Event()
+    w1 = h.worker()
+
+    def crash() -> None:
+        crashed.set()
+        raise Crash(kill_point)
+
+    if kill_point in ("K1", "K2"):
+        enqueue = w1.notifier._enqueue  # type: ignore[attr-defined]
+
+        async def crashing_enqueue(*args: Any) -> None:
+            if crashed.is_set():
+                return await enqueue(*args)
+            if kill_point == "K2":
+                await enqueue(*args)
+            crash()
+
+        monkeypatch.setattr(w1.notifier, "_enqueue", crashing_enqueue)
+    elif kill_point == "K3":
+        deliver = w1.deliverer.deliver
+
+        async def crashing_deliver(
+            entry: Entry, domain: str, rcpts: Sequence[Recipient], body: BodySource
+        ) -> Any:
+            result = await deliver(entry, domain, rcpts, body)
+            if domain == "ok.example.test" and not crashed.is_set():
+                crash()
+            return result
+
+        monkeypatch.setattr(w1.deliverer, "deliver", crashing_deliver)
+    else:
+        ack = JetStreamDue.ack
+
+        async def crashing_ack(self: JetStreamDue) -> None:
+            if self.item.domain == "ok.example.test" and not crashed.is_set():
+                crash()
+            await ack(self)
+
+        monkeypatch.setattr(JetStreamDue, "ack", crashing_ack)
+
+    async with (
+        SmtpdMx("127.0.2.100", h.mx_port) as ok,
+        SmtpdMx(
+            "127.0.2.101", h.mx_port, rcpt_replies={later_rcpt: "451 4.7.0 try again later"}
+        ) as slow,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(case_message("CASE-14"), [ok_rcpt, gone_rcpt, later_rcpt])
+        stop = asyncio.Event()
+        task = asyncio.create_task(w1.run(stop))
+        await asyncio.wait_for(crashed.wait(), 15)
+        await kill(task, w1, stop)
+        if kill_point == "K4":
+            nats_server.kill()
+            await nats_server.start()
+        before = recipient(await get_entry(h, qid), later_rcpt)
+        assert before.attempts >= 1
+        assert before.next_attempt_at is not None
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) >= 1, what="the DSN")
+
+            async def later_retried() -> bool:
+                e = await h.entry(qid)
+                return e is not None and recipient(e, later_rcpt).attempts >= before.attempts + 2
+
+            await eventually(later_retried, 20, what="two more attempts for later@")
+        after = recipient(await get_entry(h, qid), later_rcpt)
+    dsns = [t for t in sender_mx.delivered if t.mail_from == ""]
+    assert len(dsns) == 1, "exactly one DSN for gone@"
+    _, groups = dsn_parts(dsns[0].content or b"")
+    assert [g["Final-Recipient"] for g in groups] == [f"rfc822; {gone_rcpt}"]
+    copies = sum(t.rcpt_to.count(ok_rcpt) for t in ok.delivered)
+    assert copies == 1 if kill_point != "K3" else 1 <= copies <= 2
+    # later@: no reset to attempt 0, no retry earlier than scheduled before the kill
+    assert after.attempts == before.attempts + 2
+    assert len(slow.transactions) == 0  # every RCPT was refused: nothing transacted
+    first_retry = [s for s in slow.sessions][before.attempts]
+    assert first_retry is not None
+    assert after.last_attempt_at is not None
+    assert after.last_attempt_at >= before.next_attempt_at
+
+
+def log_tail(tmp_path: Path) -> str:
+    log = tmp_path / "worker.log"
+    return log.read_text()[-2000:] if log.exists() else ""
+
+
+async def test_sigkilled_worker_process(
+    queue_harness: Harness, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """A worker process SIGKILLed in the middle of a delivery: after the ack wait and the
+    lease, another worker delivers the message; nothing is lost (DESIGN.md §2.3)."""
+    h = queue_harness
+    h.dns.add(
+        "hang.example.test. 300 IN MX 10 mx.hang.example.test.\n"
+        "mx.hang.example.test. 300 IN A 127.0.2.90\n"
+    )
+    h.configure(worker={"lease_s": 3.0})
+    async with ScriptedMx("127.0.2.90", h.mx_port, end_of_data=SILENT) as mx:
+        qid = await h.submit(case_message("CASE-07"), ["u@hang.example.test"])
+        env = {
+            **os.environ,
+            "JSQUEUE_NATS__URLS": f'["{nats_server.url}"]',
+            "JSQUEUE_NATS__PREFIX": h.settings.nats.prefix,
+            "JSQUEUE_NATS__ACK_WAIT_S": str(h.settings.nats.ack_wait_s),
+            "JSQUEUE_WORKER__MX_PORT": str(h.mx_port),
+            "JSQUEUE_WORKER__NAMESERVERS": f'["{h.dns.host}"]',
+            "JSQUEUE_WORKER__NAMESERVER_PORT": str(h.dns.port),
+            "JSQUEUE_WORKER__LEASE_S": "3",
+            "JSQUEUE_WORKER__BODY_CACHE_DIR": str(tmp_path / "proc-cache"),
+            "JSQUEUE_HTTP__ENABLED": "false",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "jsqueue",
+            "worker",
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "worker.log").open("wb"),
+        )
+        try:
+            # the whole message is sent; the worker waits for the reply after the data
+            await eventually(
+                lambda: any(s.transactions for s in mx.sessions),
+                20,
+                what=f"the worker process after DATA: {log_tail(tmp_path)}",
+            )
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(proc.wait(), 10)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        mx.end_of_data = "250 2.0.0 ok"
+        async with h.running():
+            await eventually(lambda: gone(h, qid), 20, what="delivered by the second worker")
+    print([(t.reply, s.peer, s.closed) for s in mx.sessions for t in s.transactions])
+    assert [t.rcpt_to for t in mx.delivered] == [["u@hang.example.test"]]
+
+
+async def test_two_workers_never_send_twice(queue_harness: Harness) -> None:
+    """DESIGN.md §2.3: two workers on one consumer; claims by compare-and-set and leases
+    mean every recipient is delivered exactly once."""
+    h = queue_harness
+    h.dns.add(
+        "two.example.test. 300 IN MX 10 mx.two.example.test.\n"
+        "mx.two.example.test. 300 IN A 127.0.2.91\n"
+        "dos.example.test. 300 IN MX 10 mx.two.example.test.\n"
+    )
+    async with SmtpdMx("127.0.2.91", h.mx_port) as mx:
+        ids = [
+            await h.submit(
+                case_message("CASE-07"), [f"m{i}@two.example.test", f"m{i}@dos.example.test"]
+            )
+            for i in range(30)
+        ]
+        w1, w2 = h.worker(), h.worker()
+        async with h.running(w1, w2):
+            for qid in ids:
+                await eventually(lambda q=qid: gone(h, q), 30, what=f"{qid} delivered")
+    got = [r for t in mx.delivered for r in t.rcpt_to]
+    assert len(got) == 60
+    assert len(set(got)) == 60, "no recipient delivered twice"
+    assert w1.handled > 0 and w2.handled > 0, "both workers took part"
+
+
+async def test_drain_gives_back_unfinished_work(queue_harness: Harness) -> None:
+    """STYLE.md habit 10 / SIGTERM: a worker stopped mid-delivery finishes within the
+    drain bound, then releases its lease and hands the item back for immediate delivery."""
+    h = queue_harness
+    h.dns.add(
+        "hang.example.test. 300 IN MX 10 mx.hang.example.test.\n"
+        "mx.hang.example.test. 300 IN A 127.0.2.92\n"
+    )
+    h.configure(worker={"drain_timeout_s": 0.5, "lease_s": 600.0})
+    async with ScriptedMx("127.0.2.92", h.mx_port, end_of_data=SILENT) as mx:
+        qid = await h.submit(case_message("CASE-07"), ["u@hang.example.test"])
+        w1 = h.worker()
+        stop = asyncio.Event()
+        task = asyncio.create_task(w1.run(stop))
+        await eventually(lambda: any("DATA" in s.verbs() for s in mx.sessions), what="DATA")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert loop.time() - started < 5, "drain is bounded"
+        e = await h.entry(qid)
+        assert e is not None and e.leases == {}, "lease released"
+        assert e.recipients[0].state is RecipientState.PENDING
+        mx.end_of_data = "250 2.0.0 ok"
+        async with h.running():
+            await eventually(lambda: gone(h, qid), 10, what="delivered after the drain")
+    assert len(mx.delivered) == 1
+
+
+async def test_25mb_message_streamed(queue_harness: Harness) -> None:
+    """A 25 MB message goes from the body store to the MX without the worker holding
+    several copies: traced peak allocation stays below twice the message size."""
+    h = queue_harness
+    h.dns.add(
+        "big.example.test. 300 IN MX 10 mx.big.example.test.\n"
+        "mx.big.example.test. 300 IN A 127.0.2.93\n"
+    )
+    line = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\r\n"
+    body = b"Subject: big\r\n\r\n" + line * (25_000_000 // len(line))
+    async with ScriptedMx("127.0.2.93", h.mx_port, keep_data=False) as mx:
+        qid = await h.submit(body, ["u@big.example.test"])
+        tracemalloc.start()
+        try:
+            async with h.running():
+                await eventually(lambda: gone(h, qid), 60, what="25 MB delivered")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 2 * len(body), f"peak {peak} octets for a {len(body)}-octet message"
+    # the whole message arrived, plus only our Received: trace header
+    assert 0 < mx.delivered[0].size - len(body) < 512
