@@ -295,7 +295,8 @@ def parse_orcpt(value: str | None, *, smtputf8: bool) -> str:
     """Validate ``ORCPT=addr-type;xtext`` (RFC 3461 §4.2; ``utf-8`` type per RFC 6533 §3).
 
     Returns:
-        the value as received (xtext kept encoded).
+        ``addr-type;address`` with the xtext decoded: the entry stores decoded values, and
+        the SMTP client re-encodes them for the next hop (RFC 3461 §4.2).
 
     Raises:
         SyntaxProblem: 501 5.5.4.
@@ -310,12 +311,27 @@ def parse_orcpt(value: str | None, *, smtputf8: bool) -> str:
     if any(not c.isascii() and (not unitext or not _is_utf8_char(c)) for c in addr):
         raise SyntaxProblem(R501_BAD_PARAMETER, "ORCPT address is not valid xtext")
     try:
-        decoded = xtext_decode("".join(c if c.isascii() else "x" for c in addr))
+        xtext_decode("".join(c if c.isascii() else "x" for c in addr))
+        decoded = _xtext_decode_mixed(addr)
     except (ValueError, UnicodeDecodeError):
         raise SyntaxProblem(R501_BAD_PARAMETER, "ORCPT address is not valid xtext") from None
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
         raise SyntaxProblem(R501_BAD_PARAMETER, "ORCPT address contains control characters")
-    return value
+    return f"{addr_type};{decoded}"
+
+
+def _xtext_decode_mixed(value: str) -> str:
+    """Decode ``+XX`` escapes; raw UTF-8 characters (RFC 6533 unitext) pass through."""
+    out = bytearray()
+    i = 0
+    while i < len(value):
+        if value[i] == "+":
+            out.append(int(value[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out += value[i].encode()
+            i += 1
+    return out.decode("utf-8")
 
 
 def parse_ret(value: str | None) -> str:
@@ -334,7 +350,7 @@ def parse_envid(value: str | None) -> str:
     """Validate ``ENVID=xtext`` (RFC 3461 §4.4), at most 100 characters, printable when decoded.
 
     Returns:
-        the value as received (xtext kept encoded).
+        the decoded ENVID (stored decoded; xtext-encoded again towards the next hop).
 
     Raises:
         SyntaxProblem: 501 5.5.4.
@@ -347,7 +363,7 @@ def parse_envid(value: str | None) -> str:
         raise SyntaxProblem(R501_BAD_PARAMETER, "ENVID is not valid xtext") from None
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
         raise SyntaxProblem(R501_BAD_PARAMETER, "ENVID contains control characters")
-    return value
+    return decoded
 
 
 def parse_size(value: str | None) -> int:

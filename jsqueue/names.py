@@ -120,6 +120,11 @@ class Names:
         return f"{self.prefix}-queue"
 
     @property
+    def ingest_bucket(self) -> str:
+        """KV bucket of recently accepted messages by content key (idempotent ingest)."""
+        return f"{self.prefix}-ingest"
+
+    @property
     def work_stream(self) -> str:
         """Work-queue stream carrying one trigger per (queue id, destination domain)."""
         return f"{self.prefix.upper()}_WORK"

@@ -97,7 +97,7 @@ async def test_smtplib_message_is_queued_with_every_envelope_field(mem: Stores) 
     ]
     assert (entry.ret, entry.envid, entry.smtputf8, entry.body_8bit) == (
         "HDRS",
-        "QQ314159+2B1",
+        "QQ314159+1",
         False,
         False,
     )

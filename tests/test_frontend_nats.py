@@ -129,3 +129,22 @@ async def test_nats_outage_gives_451_and_mail_flows_again_after_restart(
         assert split_body(await body_of(stores, before))[1] == MESSAGE
     finally:
         await stores.close()
+
+
+async def test_resent_message_is_stored_once_on_jetstream(js_stores: Stores) -> None:
+    """Idempotent ingest on JetStream (the ingest log KV bucket): a client that resends the
+    same envelope and content after losing our 250 gets the first queue id back, and the
+    queue holds one entry and one work item, not two."""
+    assert js_stores.ingest is not None
+    async with running(frontend_settings(dedupe_window_s=60), js_stores) as server:
+        ids = []
+        for _ in range(2):
+            w = await Wire.connect(server.port)
+            reply = await w.transaction(
+                "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE)
+            )
+            await w.expect("QUIT", 221)
+            ids.append(queued_id(reply))
+    assert ids[0] == ids[1]
+    assert len(await js_stores.entries.page(limit=10)) == 1
+    assert await js_stores.scheduler.backlog() == 1

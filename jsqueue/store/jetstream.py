@@ -78,7 +78,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.names import Names, check_domain, check_queue_id
-from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem
+from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem, check_ingest_key
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ PUT_WINDOW = 4
 DUPLICATE_WINDOW_S = 120.0
 #: How long the events stream keeps records, seconds.
 EVENTS_MAX_AGE_S = 7 * 86400.0
+#: How long the ingest log remembers a message, seconds (caps ``smtp.dedupe_window_s``).
+INGEST_MAX_AGE_S = 3600.0
 #: Lifetime of a KV delete marker, seconds: afterwards the key is simply absent.
 DELETE_MARKER_TTL_S = 900
 #: Header of a work item: when it is due, Unix milliseconds.
@@ -243,6 +245,17 @@ def _stream_configs(settings: NatsSettings, names: Names) -> list[dict[str, Any]
             "deny_delete": True,
             "allow_direct": True,
             "allow_msg_ttl": True,
+        },
+        {
+            **common,
+            "name": f"KV_{names.ingest_bucket}",
+            "subjects": [f"$KV.{names.ingest_bucket}.>"],
+            "discard": "new",
+            "max_age": int(INGEST_MAX_AGE_S * _NS),
+            "max_msgs_per_subject": 1,
+            "allow_rollup_hdrs": True,
+            "deny_delete": True,
+            "allow_direct": True,
         },
         {
             **common,
@@ -482,11 +495,12 @@ async def open_jetstream(
     bodies = JetStreamBodyStore(nc, names, timeout_s=timeout_s)
     entries = JetStreamEntryStore(nc, names, timeout_s=timeout_s)
     scheduler = JetStreamScheduler(nc, names, timeout_s=timeout_s)
+    ingest = JetStreamIngestLog(nc, names, timeout_s=timeout_s)
 
     async def close() -> None:
         await _close(nc)
 
-    return Stores(bodies, entries, scheduler, close)
+    return Stores(bodies, entries, scheduler, close, ingest)
 
 
 async def _close(nc: NATS) -> None:
@@ -1155,3 +1169,41 @@ class JetStreamScheduler:
                 await msg.nak(delay=wait_s)
             return None
         return JetStreamDue(msg, item, msg.metadata.num_delivered)
+
+
+# --------------------------------------------------------------------------- ingest log
+
+
+class JetStreamIngestLog:
+    """:class:`~jsqueue.store.base.IngestLog` in a KV bucket (``Names.ingest_bucket``).
+
+    One key per content key holding ``{"id": queue id, "at": unix seconds}``. The bucket
+    forgets records after :data:`INGEST_MAX_AGE_S`, so a dedupe window beyond that is cut
+    to it. Lookups are direct gets (no consumer); records are plain puts.
+    """
+
+    def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0) -> None:
+        self.js = nc.jetstream(timeout=timeout_s)
+        self.stream = f"KV_{names.ingest_bucket}"
+        self._pre = f"$KV.{names.ingest_bucket}."
+
+    async def lookup(self, key: str, max_age_s: float) -> str | None:
+        """See :meth:`IngestLog.lookup`."""
+        check_ingest_key(key)
+        with _translate(f"ingest {key[:12]}: read"):
+            try:
+                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
+            except nats.js.errors.NotFoundError:
+                return None
+        if not msg.data:
+            return None
+        record = json.loads(msg.data)
+        if time.time() - float(record["at"]) > max_age_s:
+            return None
+        return str(record["id"])
+
+    async def record(self, key: str, queue_id: str) -> None:
+        """See :meth:`IngestLog.record`."""
+        check_ingest_key(key)
+        data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
+        await _publish(self.js, self._pre + key, data, {}, what=f"ingest {key[:12]}: write")

@@ -118,10 +118,12 @@ class Harness:
         host, port = self.frontend.address
         async with aiosmtplib.SMTP(hostname=host, port=port, start_tls=False) as smtp:
             await smtp.ehlo(hostname="client.example.test")
-            resp = await smtp.mail(sender, options=list(mail_options))
+            utf8 = not sender.isascii() or not all(r.isascii() for r in recipients)
+            encoding = "utf-8" if utf8 else "ascii"
+            resp = await smtp.mail(sender, options=list(mail_options), encoding=encoding)
             assert resp.code == 250, resp
             for rcpt in recipients:
-                resp = await smtp.rcpt(rcpt, options=list(rcpt_options))
+                resp = await smtp.rcpt(rcpt, options=list(rcpt_options), encoding=encoding)
                 assert resp.code == 250, resp
             resp = await smtp.data(message)
         assert resp.code == 250, resp

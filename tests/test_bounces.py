@@ -1,0 +1,257 @@
+"""Bounces end to end (RFC 3464 DSNs, RFC 3461 parameters, delay warnings, expiry):
+mail through the real front end, real workers, a real nats-server, scripted MXes."""
+
+from __future__ import annotations
+
+import email.utils
+import re
+from datetime import UTC, datetime
+
+from test_worker import SENDER_ZONE, dsn_parts, gone
+
+from jsqueue.envelope import RecipientState
+from support.cases import case_message, case_text
+from support.mx import SmtpdMx
+from support.queue import Harness, eventually
+
+SRC_ZONE = """
+src.example.test.     300 IN MX 10 mx.src.example.test.
+mx.src.example.test.  300 IN A  127.0.2.170
+"""
+# RFC 5322 §3.3 date-time with a numeric zone
+DATE_RE = re.compile(
+    r"^(?:(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), )?\d{1,2} "
+    r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) \d{4} "
+    r"\d{2}:\d{2}(?::\d{2})? [+-]\d{4}$"
+)
+
+
+async def test_null_reverse_path_never_gets_a_dsn_case21a(queue_harness: Harness) -> None:
+    """CASE-21 A / RFC 5321 §4.5.5: a bounce (MAIL FROM:<>) to an NXDOMAIN recipient fails
+    for good, no DSN is generated or sent anywhere, and nothing is left in the queue."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-21", "dns.txt"))
+    async with SmtpdMx("127.0.2.170", h.mx_port) as src:
+        qid = await h.submit(
+            case_message("CASE-21", "bounce-in.eml"), ["nobody@nx.example.test"], sender=""
+        )
+        worker = h.worker()
+        async with h.running(worker):
+            await eventually(lambda: worker.notifier.dropped == 1, what="dropped")  # type: ignore[attr-defined]
+        assert src.connections == 0, "nothing sent anywhere"
+    assert await h.entry(qid) is None or (await h.entry(qid)).is_final  # type: ignore[union-attr]
+    page = await h.stores.entries.page(limit=10)
+    assert all(v.entry.id == qid for v in page), "no DSN entry was created"
+
+
+async def test_refused_dsn_is_dropped_case21b(queue_harness: Harness) -> None:
+    """CASE-21 B/C: a DSN the sender's MX refuses (501 to MAIL FROM:<>) is dropped after
+    its permanent failure, with no DSN about the DSN; exactly one message was created by
+    jsqueue; the null path is sent as exactly <> (also for a UTF-8 original sender)."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-21", "dns.txt"))
+    async with SmtpdMx(
+        "127.0.2.170", h.mx_port, smtputf8=True, mail_reply="501 5.1.7 bad sender address"
+    ) as src:
+        plain = await h.submit(
+            case_message("CASE-21"), ["gone@nomail.example.test"], sender="sender@src.example.test"
+        )
+        utf8 = await h.submit(
+            case_message("CASE-21"),
+            ["gone@nomail.example.test"],
+            sender="jörg@src.example.test",
+            mail_options=["SMTPUTF8"],
+        )
+        worker = h.worker()
+        async with h.running(worker):
+            await eventually(lambda: worker.notifier.dropped == 2, what="both DSNs dropped")  # type: ignore[attr-defined]
+            await eventually(lambda: gone(h, plain), what="original removed")
+            await eventually(lambda: gone(h, utf8), what="original removed")
+        mails = [c for s in src.sessions for c in s.commands if c.upper().startswith("MAIL")]
+        assert len(mails) == 2, "one DSN per original, no DSN about a DSN"
+        assert all(re.match(r"MAIL FROM:<> ?", m) for m in mails), mails
+    left = [v.entry for v in await h.stores.entries.page(limit=10)]
+    assert len(left) == 2 and all(e.is_dsn and e.is_final for e in left)
+    assert all(r.state is RecipientState.FAILED for e in left for r in e.recipients)
+
+
+async def test_dsn_content_case22(queue_harness: Harness) -> None:
+    """CASE-22 / RFC 3464 §2.2-2.3, RFC 6522: one DSN from <> to the sender lists b@ (5.7.26,
+    Remote-MTA, both lines of the 550) and c@ (NXDOMAIN), not a@ (delivered); dates carry
+    numeric zones; Arrival-Date is the acceptance instant; the original headers return."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-22", "dns.txt"))
+    policy = (
+        "550-5.7.26 Unauthenticated mail from src.example.test is refused because\n"
+        "550 5.7.26 of the sending domain's published policy."
+    )
+    async with (
+        SmtpdMx("127.0.2.180", h.mx_port) as ok,
+        SmtpdMx("127.0.2.181", h.mx_port, name="mx.rej.example.test", data_reply=policy),
+        SmtpdMx("127.0.2.182", h.mx_port) as src,
+    ):
+        before = datetime.now(UTC).replace(microsecond=0)
+        qid = await h.submit(
+            case_message("CASE-22"),
+            ["a@ok.example.test", "b@rej.example.test", "c@nx.example.test"],
+            sender="sender@src.example.test",
+        )
+        async with h.running():
+            await eventually(lambda: len(src.delivered) == 1, what="the DSN")
+            await eventually(lambda: gone(h, qid), what="original removed")
+        after = datetime.now(UTC)
+    assert len(ok.delivered) == 1
+    tx = src.delivered[0]
+    assert (tx.mail_from, tx.rcpt_to) == ("", ["sender@src.example.test"])
+    msg, groups = dsn_parts(tx.content or b"")
+    assert msg["To"] == "sender@src.example.test"
+    assert "relay.jsqueue.example.test" in msg["From"]
+    assert msg["Auto-Submitted"] == "auto-replied"
+    assert msg["Message-ID"]
+    for value in (msg["Date"],):
+        assert DATE_RE.match(str(value)), value
+    status = next(p for p in msg.walk() if p.get_content_type() == "message/delivery-status")
+    per_message = status.get_payload()[0]  # type: ignore[index]
+    assert per_message["Reporting-MTA"] == "dns; relay.jsqueue.example.test"
+    arrival = str(per_message["Arrival-Date"])
+    assert DATE_RE.match(arrival), arrival
+    arrived = email.utils.parsedate_to_datetime(arrival)
+    assert before <= arrived <= after, "Arrival-Date is the acceptance instant"
+    by = {str(g["Final-Recipient"]): g for g in groups}
+    assert set(by) == {"rfc822; b@rej.example.test", "rfc822; c@nx.example.test"}
+    b = by["rfc822; b@rej.example.test"]
+    assert (b["Action"], b["Status"]) == ("failed", "5.7.26")
+    assert b["Remote-MTA"] == "dns; mx.rej.example.test"
+    diag = " ".join(str(b["Diagnostic-Code"]).split())
+    assert "is refused because" in diag and "published policy" in diag
+    c = by["rfc822; c@nx.example.test"]
+    assert c["Status"] in ("5.1.2", "5.4.4")
+    for g in groups:
+        assert DATE_RE.match(" ".join(str(g["Last-Attempt-Date"]).split()))
+    returned = [p for p in msg.walk() if p.get_content_type() == "text/rfc822-headers"]
+    assert returned and b"Subject: DSN format check" in returned[0].get_payload(decode=True)
+
+
+async def test_one_dsn_per_event_then_expiry(queue_harness: Harness) -> None:
+    """RFC 3464 §2: 1 delivered, 1 deferred, 2 bounced → exactly one failure DSN naming the
+    2 bounced; when the deferred one expires (RFC 5321 §4.5.4.1), one more naming it with
+    Status 4.4.7 and the last remote reply as Diagnostic-Code."""
+    h = queue_harness
+    h.configure(retry={"max_age_s": 4.0, "base_s": 1.0})
+    h.dns.add(
+        SENDER_ZONE
+        + "four.example.test. 300 IN MX 10 mx.four.example.test.\n"
+        + "mx.four.example.test. 300 IN A 127.0.2.60\n"
+    )
+    replies = {
+        "soft@four.example.test": "451 4.3.0 try later",
+        "x@four.example.test": "550 5.1.1 no such user",
+        "y@four.example.test": "550 5.1.1 no such user",
+    }
+    async with (
+        SmtpdMx("127.0.2.60", h.mx_port, rcpt_replies=replies) as mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        rcpts = [f"{u}@four.example.test" for u in ("ok", "soft", "x", "y")]
+        qid = await h.submit(case_message("CASE-07"), rcpts)
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 2, 20, what="two DSNs")
+            await eventually(lambda: gone(h, qid), what="original removed")
+    assert [t.rcpt_to for t in mx.delivered] == [["ok@four.example.test"]]
+    _, first = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert sorted(str(g["Final-Recipient"]) for g in first) == [
+        "rfc822; x@four.example.test",
+        "rfc822; y@four.example.test",
+    ]
+    _, second = dsn_parts(sender_mx.delivered[1].content or b"")
+    assert [str(g["Final-Recipient"]) for g in second] == ["rfc822; soft@four.example.test"]
+    assert second[0]["Status"] == "4.4.7"
+    assert "451 4.3.0 try later" in str(second[0]["Diagnostic-Code"])
+
+
+async def test_notify_and_delay_warning(queue_harness: Harness) -> None:
+    """RFC 3461 §4.1: NOTIFY=NEVER suppresses the failure DSN; NOTIFY=SUCCESS gives a success
+    DSN; with delay warnings on, a deferred NOTIFY=DELAY recipient gets one "delayed" DSN
+    (Action delayed, 4.x.x, Will-Retry-Until) and is not warned twice within the interval."""
+    h = queue_harness
+    h.configure(
+        retry={"base_s": 1.0, "max_age_s": 3600.0},
+        dsn={"delay_warning_after_s": 1.0, "delay_warning_interval_s": 3600.0},
+    )
+    h.dns.add(
+        SENDER_ZONE
+        + "n.example.test. 300 IN MX 10 mx.n.example.test.\n"
+        + "mx.n.example.test. 300 IN A 127.0.2.61\n"
+    )
+    replies = {"never@n.example.test": "550 5.1.1 no", "slow@n.example.test": "451 4.3.0 later"}
+    async with (
+        SmtpdMx("127.0.2.61", h.mx_port, rcpt_replies=replies, extra_extensions=[]) as mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        never = await h.submit(
+            case_message("CASE-07"), ["never@n.example.test"], rcpt_options=["NOTIFY=NEVER"]
+        )
+        success = await h.submit(
+            case_message("CASE-07"), ["ok@n.example.test"], rcpt_options=["NOTIFY=SUCCESS"]
+        )
+        slow = await h.submit(
+            case_message("CASE-07"), ["slow@n.example.test"], rcpt_options=["NOTIFY=DELAY"]
+        )
+        async with h.running():
+            await eventually(lambda: gone(h, never), what="NOTIFY=NEVER removed")
+            await eventually(lambda: gone(h, success), what="NOTIFY=SUCCESS removed")
+
+            async def attempts(n: int) -> bool:
+                e = await h.entry(slow)
+                return e is not None and e.recipients[0].attempts >= n
+
+            await eventually(lambda: attempts(4), what="slow retried a few times")
+        actions = []
+        for tx in sender_mx.delivered:
+            _, groups = dsn_parts(tx.content or b"")
+            actions += [(str(g["Final-Recipient"]), str(g["Action"])) for g in groups]
+    assert sorted(actions) == [
+        ("rfc822; ok@n.example.test", "relayed"),
+        ("rfc822; slow@n.example.test", "delayed"),
+    ]
+    delayed = next(
+        dsn_parts(t.content or b"")[1][0]
+        for t in sender_mx.delivered
+        if b"slow@n.example.test" in (t.content or b"")
+    )
+    assert str(delayed["Status"]).startswith("4.")
+    assert delayed["Will-Retry-Until"]
+    assert len(mx.delivered) == 1
+
+
+async def test_undeliverable_dsn_expires_and_copies_postmaster(queue_harness: Harness) -> None:
+    """A DSN that cannot be delivered (the sender's MX keeps answering 451) is dropped when
+    its shorter lifetime (retry.bounce_max_age_s) runs out: logged, counted, no DSN about
+    it to <>; a copy goes to the configured postmaster (double bounce)."""
+    h = queue_harness
+    h.configure(
+        retry={"base_s": 1.0, "max_age_s": 3600.0, "bounce_max_age_s": 3.0},
+        dsn={"postmaster": "postmaster@pm.example.test"},
+    )
+    h.dns.add(
+        case_text("CASE-21", "dns.txt")
+        + "pm.example.test. 300 IN MX 10 mx.pm.example.test.\n"
+        + "mx.pm.example.test. 300 IN A 127.0.2.62\n"
+    )
+    async with (
+        SmtpdMx("127.0.2.170", h.mx_port, mail_reply="451 4.3.0 not now") as src,
+        SmtpdMx("127.0.2.62", h.mx_port) as postmaster,
+    ):
+        await h.submit(
+            case_message("CASE-21"), ["gone@nomail.example.test"], sender="sender@src.example.test"
+        )
+        worker = h.worker()
+        async with h.running(worker):
+            await eventually(lambda: len(postmaster.delivered) == 1, 20, what="postmaster copy")
+        assert worker.notifier.dropped == 1  # type: ignore[attr-defined]
+        assert src.delivered == [] and src.connections >= 2, "the DSN was retried, then dropped"
+    tx = postmaster.delivered[0]
+    assert (tx.mail_from, tx.rcpt_to) == ("", ["postmaster@pm.example.test"])
+    _, groups = dsn_parts(tx.content or b"")
+    assert [str(g["Final-Recipient"]) for g in groups] == ["rfc822; sender@src.example.test"]
+    assert groups[0]["Status"] == "4.4.7"
