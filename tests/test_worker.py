@@ -12,11 +12,12 @@ import email
 import email.policy
 from email.message import EmailMessage
 
+import pytest
+
+from jsqueue.envelope import RecipientState
 from support.cases import case_message, case_text
 from support.mx import ScriptedMx, SmtpdMx, ipv6_loopback_available
 from support.queue import Harness, eventually
-
-from jsqueue.envelope import RecipientState
 
 SENDER_ZONE = """
 example.test.        300 IN MX 10 mx.example.test.
@@ -207,7 +208,7 @@ async def test_dns_failure_classes_case12(queue_harness: Harness) -> None:
                 e = await h.entry(qid)
                 return e is not None and all(r.attempts >= 1 for r in e.recipients)
 
-            await eventually(settled, what="every destination attempted once")
+            await eventually(settled, 30, what="every destination attempted once")
             e = await h.entry(qid)
             assert e is not None
             by = {r.domain.split(".")[0]: r for r in e.recipients}
@@ -230,3 +231,145 @@ async def test_dns_failure_classes_case12(queue_harness: Harness) -> None:
         _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
         assert [g["Final-Recipient"] for g in groups] == ["rfc822; user@nx.example.test"]
         assert groups[0]["Status"] in ("5.1.2", "5.4.4")
+
+
+GREY_ZONE = case_text("CASE-17", "dns.txt")
+
+
+@pytest.mark.parametrize("variant", ["A", "B", "C"])
+async def test_greylisting_case17(queue_harness: Harness, variant: str) -> None:
+    """CASE-17: greylisting at RCPT (A), at MAIL (B) or after the data (C) is a temporary
+    failure: the attempt counter rises, the next attempt waits for the configured backoff,
+    a later attempt delivers exactly one copy, and no failure DSN is sent."""
+    h = queue_harness
+    h.configure(retry={"base_s": 2.0})
+    h.dns.add(GREY_ZONE + SENDER_ZONE)
+    grey = "451 4.7.1 greylisted, please retry in 300 seconds"
+    kwargs: dict[str, object] = {
+        "A": {"rcpt_replies": {"user@grey.example.test": grey}},
+        "B": {"mail_reply": grey},
+        "C": {"data_reply": grey},
+    }[variant]
+    async with (
+        SmtpdMx("127.0.2.130", h.mx_port, **kwargs) as mx,  # type: ignore[arg-type]
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(case_message("CASE-17"), ["user@grey.example.test"])
+        async with h.running():
+
+            async def refused_once() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.recipients[0].attempts == 1
+
+            await eventually(refused_once, what="first refusal recorded")
+            first = await h.entry(qid)
+            assert first is not None
+            r = first.recipients[0]
+            assert r.state is RecipientState.DEFERRED
+            assert r.last_reply is not None and r.last_reply.code == 451
+            assert r.next_attempt_at is not None and r.last_attempt_at is not None
+            assert (r.next_attempt_at - r.last_attempt_at).total_seconds() >= 2.0
+            mx.rcpt_replies.clear()
+            mx.mail_reply = None
+            mx.data_reply = None
+            await eventually(lambda: gone(h, qid), what="delivered later")
+    assert len(mx.delivered) == 1, "exactly one copy"
+    assert sender_mx.delivered == [], "no failure DSN"
+    if variant == "C":  # the refused data is not counted as delivered
+        assert [t.reply[:3] for t in mx.transactions] == ["451", "250"]
+
+
+async def test_multiline_replies_case19(queue_harness: Harness) -> None:
+    """CASE-19: a 3-line greeting and a mixed-case EHLO reply ending in a bare "250" are
+    understood (SIZE=35882577 recognised: MAIL carries SIZE=); ok@ is delivered once;
+    blocked@'s 5-line 550 is a permanent failure whose DSN keeps all five lines."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-19", "dns.txt") + SENDER_ZONE)
+    blocked = "\n".join(
+        [
+            "550-5.7.1 The message from this sender was refused by local policy.",
+            "550-5.7.1 Policy reference PX-4471; see the postmaster page of",
+            "550-5.7.1 ml.example.test for the appeal procedure. Automated",
+            "550-5.7.1 requests will be ignored.",
+            "550 5.7.1 id=7f3a2c",
+        ]
+    )
+    async with (
+        ScriptedMx(
+            "127.0.2.150",
+            h.mx_port,
+            greeting="220-mx.ml.example.test ESMTP service\n"
+            "220-Unsolicited bulk mail is not accepted here.\n220 Connections are logged.",
+            ehlo="250-mx.ml.example.test greets you\n250-pipelining\n250-Size 35882577\n"
+            "250-8BITMIME\n250-ENHANCEDSTATUSCODES\n250",
+            rcpt_replies={"blocked@ml.example.test": blocked},
+        ) as mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(
+            case_message("CASE-19"), ["ok@ml.example.test", "blocked@ml.example.test"]
+        )
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="DSN")
+            await eventually(lambda: gone(h, qid), what="removed")
+    assert [t.rcpt_to for t in mx.delivered] == [["ok@ml.example.test"]]
+    assert any(p.startswith("SIZE=") for p in mx.delivered[0].mail_params)
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert groups[0]["Status"] == "5.7.1"
+    diag = " ".join(str(groups[0]["Diagnostic-Code"]).split())
+    for part in ("refused by local policy", "PX-4471", "appeal procedure", "ignored", "id=7f3a2c"):
+        assert part in diag
+
+
+async def test_malformed_ehlo_reply_is_temporary_case19m(queue_harness: Harness) -> None:
+    """CASE-19 variant M: an empty line inside the EHLO reply is a temporary protocol
+    error: retried later, no DSN, and the worker keeps delivering other mail."""
+    h = queue_harness
+    h.dns.add(
+        case_text("CASE-19", "dns.txt")
+        + SENDER_ZONE
+        + "fine.example.test. 300 IN MX 10 mx.fine.example.test.\n"
+        + "mx.fine.example.test. 300 IN A 127.0.2.151\n"
+    )
+    async with (
+        ScriptedMx("127.0.2.150", h.mx_port, ehlo="250-mx.ml.example.test\n\n250 SIZE 35882577"),
+        SmtpdMx("127.0.2.151", h.mx_port) as fine,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        bad = await h.submit(case_message("CASE-19"), ["ok@ml.example.test"])
+        good = await h.submit(case_message("CASE-19"), ["ok@fine.example.test"])
+        async with h.running():
+            await eventually(lambda: gone(h, good), what="other mail delivered")
+
+            async def retried() -> bool:
+                e = await h.entry(bad)
+                return e is not None and e.recipients[0].attempts >= 2
+
+            await eventually(retried, what="retried")
+        e = await h.entry(bad)
+        assert e is not None and e.recipients[0].state is RecipientState.DEFERRED
+        assert (
+            e.recipients[0].last_reply is not None and e.recipients[0].last_reply.code // 100 == 4
+        )
+        assert len(fine.delivered) == 1
+        assert sender_mx.delivered == []
+
+
+async def test_size_limit_case26a(queue_harness: Harness) -> None:
+    """CASE-26 A / RFC 1870: the next hop's SIZE is below the message size: permanent 5.3.4
+    on the first attempt, nothing sent after MAIL (no DATA), one DSN, no retries."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-26", "dns.txt") + SENDER_ZONE)
+    body = case_message("CASE-07") + (b"x" * 78 + b"\r\n") * 25_000
+    async with (
+        SmtpdMx("127.0.2.220", h.mx_port, size=1_000_000) as small,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(body, ["user@small.example.test"])
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="DSN")
+            await eventually(lambda: gone(h, qid), what="removed")
+    assert not any("DATA" in s.verbs() for s in small.sessions)
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert groups[0]["Status"] == "5.3.4"
+    assert small.connections == 1, "no retry"
