@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest tools bench clean
+.PHONY: install run test lint typecheck pytest tools e2e bench bench-ingest clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +17,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian packages the tests drive as real peers (installed only when missing).
+# Debian packages the tests drive as real peers (installed only when missing). Postfix is
+# preseeded "No configuration": the system instance gets no main.cf and is never started;
+# tests and benchmarks run their own instances from their own config dirs.
 tools:
-	@command -v swaks >/dev/null || { \
-	  echo "installing swaks (Debian package) for the front-end tests"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks >/dev/null; }
+	@command -v swaks >/dev/null && test -x /usr/sbin/postfix -a -x /usr/sbin/smtp-sink || { \
+	  echo "installing swaks and postfix (Debian packages) for the tests and benchmarks"; \
+	  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    swaks postfix >/dev/null; }
 
 run: install
 	$(BIN)/jsqueue up
@@ -38,7 +42,17 @@ pytest: install tools
 
 test: lint typecheck pytest
 
-bench: install
+# End to end with real mail software: swaks -> jsqueue (CLI) -> Postfix MX -> Maildir.
+# Also part of `make pytest` (tests/test_e2e_postfix.py).
+e2e: install tools
+	$(BIN)/pytest -q tests/test_e2e_postfix.py
+
+# jsqueue side by side with Postfix (same durability, same sink, smtp-source load);
+# quick run: make bench BENCH_ARGS="--messages 2000". Results under bench/results/.
+bench: install tools
+	$(BIN)/python bench/compare.py $(BENCH_ARGS)
+
+bench-ingest: install
 	$(BIN)/python bench/ingest.py
 
 clean:

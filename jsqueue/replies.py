@@ -69,3 +69,6 @@ R451_BODY_UNAVAILABLE = _r(451, "4.3.0", "The message body could not be read; de
 R451_EXPIRED = _r(451, "4.4.7", "Message expired in the queue")
 R554_EXPIRED = _r(554, "5.4.7", "Delivery time expired")
 R554_ROUTING_LOOP = _r(554, "5.4.6", "Routing loop detected")
+
+# Operator actions (jsqueue/admin.py): a 5yz so the DSN reports a failure, not an expiry
+R550_BOUNCED_BY_POSTMASTER = _r(550, "5.7.1", "Message bounced by the postmaster")

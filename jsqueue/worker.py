@@ -26,6 +26,7 @@ from jsqueue import state
 from jsqueue.config import WorkerSettings
 from jsqueue.envelope import Entry, Recipient, Reply, utcnow
 from jsqueue.errors import EntryNotFound, RevisionConflict, StoreUnavailable
+from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
 from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Due, Stores, Versioned
 
@@ -74,6 +75,7 @@ class Worker:
         owner: lease owner name; host name + random suffix when omitted.
         clock: returns the current aware UTC time (tests pass a fake clock).
         rng: jitter source.
+        observer: receives an event per recorded recipient outcome (jsqueue.events).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Worker:
         clock: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
         ack_wait_s: float = 60.0,
+        observer: Observer = NULL_OBSERVER,
     ) -> None:
         self.stores = stores
         self.deliverer = deliverer
@@ -102,6 +105,7 @@ class Worker:
         self.ack_wait_s = ack_wait_s
         self._tasks: set[asyncio.Task[None]] = set()
         self.handled = 0
+        self.observer = observer
 
     # ------------------------------------------------------------------ loop
 
@@ -302,31 +306,60 @@ class Worker:
         now: datetime,
     ) -> None:
         took = (now - started).total_seconds()
+        age = (now - entry.created_at).total_seconds()
         groups = (
-            ("delivered", recorded.delivered),
-            ("deferred", recorded.deferred),
-            ("bounced", recorded.bounced),
-            ("expired", recorded.expired),
+            (EventKind.DELIVERED, recorded.delivered),
+            (EventKind.DEFERRED, recorded.deferred),
+            (EventKind.BOUNCED, recorded.bounced),
+            (EventKind.EXPIRED, recorded.expired),
         )
-        for outcome, rcpts in groups:
+        for kind, rcpts in groups:
+            outcome = kind.value
             for r in rcpts:
                 reply = r.last_reply
+                mx = reply.remote_host if reply else None
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "delay=%.3fs next=%s",
+                    "delay=%.3fs age=%.0fs next=%s",
                     entry.id,
                     r.address,
                     domain,
                     outcome,
-                    reply.remote_host if reply else None,
+                    mx,
                     str(reply) if reply else "",
                     r.attempts,
                     took,
+                    age,
                     r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
-                    extra={"queue_id": entry.id, "recipient": r.address, "outcome": outcome},
+                    extra={
+                        "queue_id": entry.id,
+                        "recipient": r.address,
+                        "domain": domain,
+                        "outcome": outcome,
+                        "mx": mx,
+                        "reply": str(reply) if reply else None,
+                        "attempts": r.attempts,
+                        "delay_s": round(took, 3),
+                        "age_s": round(age, 3),
+                        "next_attempt_at": r.next_attempt_at,
+                    },
                 )
+        for event in attempt_events(
+            entry, groups, source=f"worker:{self.owner}", at=now, duration_s=took
+        ):
+            self.observer.emit(event)
 
     def _log_expired(self, entry: Entry, domain: str) -> None:
         for r in entry.recipients:
             if r.domain == domain and r.state.is_final and not r.dsn_sent:
-                log.info("queue=%s to=<%s> outcome=expired", entry.id, r.address)
+                log.info(
+                    "queue=%s to=<%s> outcome=expired",
+                    entry.id,
+                    r.address,
+                    extra={"queue_id": entry.id, "recipient": r.address, "outcome": "expired"},
+                )
+                self.observer.emit(
+                    recipient_event(
+                        EventKind.EXPIRED, entry, r, source=f"worker:{self.owner}", at=self.clock()
+                    )
+                )

@@ -1,7 +1,7 @@
 """The SMTP front end with in-memory stores, driven by real clients on loopback: smtplib,
 aiosmtplib, swaks and a raw socket client that counts replies (tests/support/frontend.py).
 
-Each test names the RFC section or case (``shared/cases``) it checks.
+Each test names the RFC section or case (``tests/cases``) it checks.
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ from email.message import EmailMessage
 
 import aiosmtplib
 import pytest
+
+from jsqueue.config import BareLinePolicy
+from jsqueue.envelope import Notify
+from jsqueue.store.base import Stores
+from jsqueue.store.memory import open_memory
+from support.cases import CASES, case_file
 from support.frontend import (
-    CASES,
     FaultyStores,
     Reply,
     Wire,
     body_of,
-    case_file,
     dot_stuff,
     entries_of,
     frontend_settings,
@@ -34,11 +38,6 @@ from support.frontend import (
     start_child,
     stop_child,
 )
-
-from jsqueue.config import BareLinePolicy
-from jsqueue.envelope import Notify
-from jsqueue.store.base import Stores
-from jsqueue.store.memory import open_memory
 
 MESSAGE = (
     b"From: Alice <alice@example.test>\r\nTo: Bob <bob@dest.example.test>\r\n"

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from support.frontend import (
     BlockingWire,
     ThreadedFrontend,

@@ -12,6 +12,11 @@ import hashlib
 from email.message import EmailMessage
 
 import aiosmtplib
+
+from jsqueue.names import Names
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.store.base import Stores
+from jsqueue.store.jetstream import open_jetstream
 from support.frontend import (
     Wire,
     body_of,
@@ -22,11 +27,6 @@ from support.frontend import (
     split_body,
 )
 from support.nats import make_settings
-
-from jsqueue.names import Names
-from jsqueue.nats_server import EmbeddedNats
-from jsqueue.store.base import Stores
-from jsqueue.store.jetstream import open_jetstream
 
 MESSAGE = (
     b"From: alice@example.test\r\nTo: bob@dest.example.test\r\nSubject: js\r\n\r\n.dot\r\nbody\r\n"

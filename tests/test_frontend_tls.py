@@ -12,11 +12,15 @@ from pathlib import Path
 
 import aiosmtplib
 import pytest
+
+from jsqueue.frontend_auth import hash_password
+from jsqueue.store.base import Stores
+from jsqueue.store.memory import open_memory
+from support.cases import case_file
 from support.frontend import (
     FrontendCerts,
     Wire,
     body_of,
-    case_file,
     dot_stuff,
     entries_of,
     frontend_settings,
@@ -24,10 +28,6 @@ from support.frontend import (
     running,
     split_body,
 )
-
-from jsqueue.frontend_auth import hash_password
-from jsqueue.store.base import Stores
-from jsqueue.store.memory import open_memory
 
 PASSWORD = "correct horse"
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.frontend import CASES, case_file, dot_stuff
 
 from jsqueue.config import BareLinePolicy
 from jsqueue.envelope import Notify, Recipient
@@ -34,6 +33,8 @@ from jsqueue.frontend_syntax import (
     xtext_encode,
 )
 from jsqueue.store.memory import MemoryIngestLog
+from support.cases import CASES, case_file
+from support.frontend import dot_stuff
 
 
 def decode(
@@ -240,9 +241,7 @@ def test_dsn_parameters() -> None:
     for bad in ("", "NEVER,SUCCESS", "SUCCESS,SUCCESS", "SOMETIMES", None):
         with pytest.raises(SyntaxProblem):
             parse_notify(bad)
-    assert (
-        parse_orcpt("rfc822;bob+2Bx@example.test", smtputf8=False) == "rfc822;bob+x@example.test"
-    )
+    assert parse_orcpt("rfc822;bob+2Bx@example.test", smtputf8=False) == "rfc822;bob+x@example.test"
     assert parse_orcpt("utf-8;müller@example.test", smtputf8=True) == "utf-8;müller@example.test"
     for bad in ("rfc822", ";bob@x", "rfc822;", "rfc822;a+0Db", "rfc822;a+zz", "rfc822;müller@x"):
         with pytest.raises(SyntaxProblem):

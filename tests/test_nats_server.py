@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api
-from support.nats import make_settings, unique_names
 
 from jsqueue import nats_server
 from jsqueue.config import NatsSettings
@@ -17,6 +16,7 @@ from jsqueue.errors import ConfigError, JsqueueError, ProvisioningError, StoreUn
 from jsqueue.names import Names
 from jsqueue.nats_server import DEFAULT_CONFIG, EmbeddedNats, default_config_file, find_nats_server
 from jsqueue.store.jetstream import open_jetstream
+from support.nats import make_settings, unique_names
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,11 +9,8 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from support.dns import DnsServer
-from support.mx import SmtpdMx, ipv6_loopback_available, shared_port, trap
 
 from jsqueue.config import SmarthostSettings, WorkerSettings
 from jsqueue.delivery import (
@@ -28,8 +25,10 @@ from jsqueue.delivery import (
 )
 from jsqueue.envelope import Recipient
 from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
+from support.cases import CASES
+from support.dns import DnsServer
+from support.mx import SmtpdMx, ipv6_loopback_available, shared_port, trap
 
-CASES = Path("/work/shared/cases")
 DNS_TIMEOUT_S = 0.5
 
 

@@ -14,7 +14,6 @@ import os
 from datetime import timedelta
 
 import pytest
-from support.nats import ACK_WAIT_S, chunks_of, fetch_one, make_entry, make_settings, read_body
 
 from jsqueue.envelope import RecipientState, utcnow
 from jsqueue.errors import StoreUnavailable
@@ -22,6 +21,7 @@ from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.base import Stores, WorkItem
 from jsqueue.store.jetstream import open_jetstream
+from support.nats import ACK_WAIT_S, chunks_of, fetch_one, make_entry, make_settings, read_body
 
 
 async def crash_and_restart(server: EmbeddedNats) -> None:

@@ -1,5 +1,5 @@
 """The outbound SMTP client against real fake MX servers on loopback (RFC 5321, 3207, 1870,
-6152, 6531, 3461). Each test names its case (``/work/shared/cases``) or RFC section."""
+6152, 6531, 3461). Each test names its case (``tests/cases``) or RFC section."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from support.mx import CLOSE, SILENT, Certs, ScriptedMx, SmtpdMx, shared_port
 
 from jsqueue.config import SmarthostSettings, TlsPolicy, WorkerSettings
 from jsqueue.delivery import BodySource, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
-
-CASES = Path("/work/shared/cases")
+from support.cases import CASES
+from support.mx import CLOSE, SILENT, Certs, ScriptedMx, SmtpdMx, shared_port
 
 
 def case_file(case: str, name: str) -> bytes:

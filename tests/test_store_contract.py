@@ -16,16 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from support.nats import (
-    ACK_WAIT_S,
-    backlog_is,
-    chunks_of,
-    corrupt_body,
-    fetch_one,
-    loop_time,
-    make_entry,
-    read_body,
-)
 
 from jsqueue.envelope import EntryState, RecipientState, utcnow
 from jsqueue.errors import (
@@ -40,6 +30,16 @@ from jsqueue.names import new_queue_id
 from jsqueue.store.base import BodyStore, Due, EntryStore, Scheduler, Stores, WorkItem
 from jsqueue.store.cache import CachedBodyStore
 from jsqueue.store.jetstream import JetStreamBodyStore
+from support.nats import (
+    ACK_WAIT_S,
+    backlog_is,
+    chunks_of,
+    corrupt_body,
+    fetch_one,
+    loop_time,
+    make_entry,
+    read_body,
+)
 
 
 def test_backends_satisfy_protocols(stores: Stores) -> None:

@@ -7,15 +7,13 @@ import email
 import email.policy
 import re
 from email.message import EmailMessage
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jsqueue.delivery.transform import ConversionError, DotStuffer, has_8bit_headers, to_7bit
-
-CASES = Path("/work/shared/cases")
+from support.cases import CASES
 
 
 def stuff(chunks: list[bytes]) -> bytes:

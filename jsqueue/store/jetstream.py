@@ -28,10 +28,13 @@ items are deduplicated by ``Nats-Msg-Id`` and re-checked against KV on arrival; 
 keep their compare-and-set header, so a late one either applies atomically or is refused.
 Re-read before deciding what a failed write did.
 
-Publishes that time out are retried (``PUBLISH_ATTEMPTS``) with the same ``Nats-Msg-Id``:
-a work item that was stored after all is not stored twice, and a KV compare-and-set whose
-retry is refused checks whether the stored revision carries its own id (the server checks
-the expected revision before dedupe, measured), so it is reported as the success it was.
+Publishes that time out or find no stream leader are retried with the same ``Nats-Msg-Id``
+(at least ``PUBLISH_ATTEMPTS`` tries, and for up to ``PUBLISH_ATTEMPTS`` request timeouts in
+all: a leader election answers "no responders" at once for ~4–9 s, measured): a work item
+that was stored after all is not stored twice, and a KV compare-and-set whose retry is
+refused checks, on the stream leader, whether the stored revision carries its own id (the
+server checks the expected revision before dedupe, measured), so it is reported as the
+success it was.
 """
 
 from __future__ import annotations
@@ -96,10 +99,13 @@ INGEST_MAX_AGE_S = 3600.0
 DELETE_MARKER_TTL_S = 900
 #: Header of a work item: when it is due, Unix milliseconds.
 NOT_BEFORE_HEADER = "Jsq-Not-Before"
-#: Tries of a publish that timed out (same Nats-Msg-Id each time).
+#: Tries of a publish that timed out (same Nats-Msg-Id each time); the retries go on for
+#: this many request timeouts in all (:func:`_publish`).
 PUBLISH_ATTEMPTS = 3
-#: Pause before the n-th retry of a publish, seconds (times n).
+#: Pause before the first retry of a publish, seconds; doubled per retry up to the max.
 RETRY_PAUSE_S = 0.25
+#: Longest pause between retries of a publish, seconds.
+RETRY_PAUSE_MAX_S = 1.0
 #: nats-py reconnect pause per server, seconds.
 RECONNECT_WAIT_S = 0.5
 #: Concurrent direct gets when scanning the KV bucket.
@@ -162,29 +168,41 @@ async def _publish(
     *,
     what: str,
     attempts: int = PUBLISH_ATTEMPTS,
+    budget_s: float = PUBLISH_ATTEMPTS * 5.0,
 ) -> api.PubAck:
-    """Publish to a stream, retrying timeouts with the same headers (so the same msg id).
+    """Publish to a stream, retrying temporary failures with the same headers (so the same
+    msg id): timeouts, no responders (no stream leader: an election, ~4–9 s, DESIGN.md §6)
+    and 503s. Retries stop once ``attempts`` tries failed *and* ``budget_s`` seconds have
+    passed, whichever comes later; pauses grow from :data:`RETRY_PAUSE_S` to
+    :data:`RETRY_PAUSE_MAX_S`.
 
     Raises:
         nats.js.errors.APIError: the stream refused the message (not a temporary failure).
         StoreUnavailable: every attempt timed out or found no stream leader.
     """
-    last: BaseException | None = None
-    for attempt in range(attempts):
-        if attempt:
-            await asyncio.sleep(RETRY_PAUSE_S * attempt)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    pause = RETRY_PAUSE_S
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return await js.publish(subject, payload, headers=dict(headers))
         except nats.js.errors.APIError as e:
             if not _is_temporary(e):
                 raise
-            last = e
+            last: BaseException = e
         except _Retryable as e:
             last = e
         except nats.errors.Error as e:
             raise _unavailable(what, e) from e
-        log.warning("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, _describe(last))
-    assert last is not None
+        if attempt >= attempts and loop.time() + pause >= deadline:
+            break
+        level = logging.WARNING if attempt == 1 else logging.DEBUG
+        log.log(level, "%s: attempt %d failed (%s); retrying", what, attempt, _describe(last))
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, RETRY_PAUSE_MAX_S)
+    log.warning("%s: giving up after %d attempts: %s", what, attempt, _describe(last))
     raise _unavailable(what, last) from last
 
 
@@ -795,10 +813,12 @@ class JetStreamEntryStore:
         self._pre = f"$KV.{self.bucket}."
         self._timeout_s = timeout_s
 
-    async def _last(self, queue_id: str) -> api.RawStreamMsg | None:
+    async def _last(self, queue_id: str, *, leader: bool = False) -> api.RawStreamMsg | None:
         with _translate(f"entry {queue_id}: read"):
             try:
-                return await self.js.get_msg(self.stream, subject=self._pre + queue_id, direct=True)
+                return await self.js.get_msg(
+                    self.stream, subject=self._pre + queue_id, direct=not leader
+                )
             except nats.js.errors.NotFoundError:
                 return None
 
@@ -819,15 +839,19 @@ class JetStreamEntryStore:
         if last is not None:
             hdrs[_HDR_EXPECTED_LAST_SUBJ_SEQ] = str(last)
         what = f"entry {queue_id}: write"
+        budget_s = PUBLISH_ATTEMPTS * self._timeout_s
         try:
-            ack = await _publish(self.js, self._pre + queue_id, data, hdrs, what=what)
+            ack = await _publish(
+                self.js, self._pre + queue_id, data, hdrs, what=what, budget_s=budget_s
+            )
             return ack.seq
         except nats.js.errors.APIError as e:
             if not _is_wrong_last_seq(e):
                 raise _unavailable(what, e) from e
             # Refused: either someone else wrote, or an earlier try of ours that timed out
-            # was stored after all (the check precedes dedupe on the server).
-            current = await self._last(queue_id)
+            # was stored after all (the check precedes dedupe on the server). Asked of the
+            # stream leader: a follower's direct get may not have our write yet.
+            current = await self._last(queue_id, leader=True)
             if current is not None and (current.headers or {}).get(_HDR_MSG_ID) == msg_id:
                 assert current.seq is not None
                 return current.seq
@@ -1074,8 +1098,11 @@ class JetStreamScheduler:
         not_before = at.timestamp() if at is not None else time.time()
         headers = {_HDR_MSG_ID: msg_id, NOT_BEFORE_HEADER: str(int(not_before * 1000))}
         what = f"work item {item.queue_id}/{item.domain}: publish"
+        budget_s = PUBLISH_ATTEMPTS * self._timeout_s
         try:
-            await _publish(self.js, subject, _encode_item(item), headers, what=what)
+            await _publish(
+                self.js, subject, _encode_item(item), headers, what=what, budget_s=budget_s
+            )
         except nats.js.errors.APIError as e:
             raise _unavailable(what, e) from e
 

@@ -42,25 +42,8 @@ from jsqueue.store.base import BodyInfo, Stores, WorkItem
 from jsqueue.store.memory import MemoryBodyStore, open_memory
 
 HOST = "127.0.0.1"
-#: ``shared/cases`` beside the checkout (CI's layout), else the workplace's copy.
-CASES = next(
-    (
-        p
-        for p in (
-            Path(__file__).resolve().parents[3] / "shared" / "cases",
-            Path("/work/shared/cases"),
-        )
-        if p.is_dir()
-    ),
-    Path("/work/shared/cases"),
-)
 _LINE_RE = re.compile(rb"^(\d{3})([ -])([^\r\n]*)\r\n$")
 T = TypeVar("T")
-
-
-def case_file(case: str, name: str) -> bytes:
-    """The bytes of ``shared/cases/<case>/<name>``."""
-    return (CASES / case / name).read_bytes()
 
 
 def frontend_settings(**overrides: Any) -> SmtpSettings:

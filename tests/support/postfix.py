@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -80,6 +83,20 @@ anvil     unix  -       -       n       -       1       anvil
 scache    unix  -       -       n       -       1       scache
 postlog   unix-dgram n  -       n       -       1       postlogd
 """
+
+
+def _drain(fd: int) -> str:
+    """Everything buffered on a pseudo-terminal's controller side (the writer has closed)."""
+    chunks: list[bytes] = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the terminal side is closed and nothing is left
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
 
 
 class PostfixError(RuntimeError):
@@ -158,6 +175,7 @@ class Postfix:
         self.port = port
         self.settings = dict(settings)
         self.mailboxes = sorted(set(mailboxes))
+        self.config_dir = directory / "etc"
         self.mail_dir = directory / "mail"
         self.log_file = directory / "maillog"
         self._write_config()
@@ -182,11 +200,13 @@ class Postfix:
             "myhostname": hostname,
             "virtual_mailbox_domains": " ".join(domains),
             "virtual_mailbox_base": str(directory / "mail"),
-            "virtual_mailbox_maps": f"texthash:{directory / 'vmailbox'}",
+            "virtual_mailbox_maps": f"texthash:{directory / 'etc' / 'vmailbox'}",
             "virtual_uid_maps": f"static:{MAIL_UID}",
             "virtual_gid_maps": f"static:{MAIL_GID}",
             "virtual_minimum_uid": "100",
             "smtpd_reject_unlisted_recipient": "yes",
+            # Mail from jsqueue on 127.0.0.1 is not "local": leave its headers alone.
+            "local_header_rewrite_clients": "",
         }
         return cls(directory, host, port or free_port(host), settings, boxes)
 
@@ -207,11 +227,11 @@ class Postfix:
         settings = {
             "myhostname": hostname,
             "relay_domains": " ".join(sorted(routes)),
-            "transport_maps": f"texthash:{directory / 'transport'}",
+            "transport_maps": f"texthash:{directory / 'etc' / 'transport'}",
             **(extra or {}),
         }
         pf = cls(directory, host, port or free_port(host), settings)
-        (directory / "transport").write_text(
+        (pf.config_dir / "transport").write_text(
             "".join(f"{domain} smtp:{target}\n" for domain, target in sorted(routes.items()))
         )
         return pf
@@ -228,7 +248,9 @@ class Postfix:
             "setgid_group": "postdrop",
             "syslog_name": f"postfix-{d.name}",
             "maillog_file": str(self.log_file),
-            "inet_interfaces": self.host,
+            "maillog_file_prefixes": str(d),
+            # Must name an interface address: the smtpd address itself is in master.cf.
+            "inet_interfaces": "127.0.0.1",
             "inet_protocols": "ipv4",
             "mydomain": "example.test",
             "myorigin": "$myhostname",
@@ -257,17 +279,20 @@ class Postfix:
     def _write_config(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.directory.chmod(0o755)
+        # The config dir must be root's alone (postfix check); queue and data go beside it.
+        self.config_dir.mkdir(mode=0o755, exist_ok=True)
+        (self.directory / "queue").mkdir(mode=0o755, exist_ok=True)
         settings = {**self._base_settings(), **self.settings}
-        (self.directory / "main.cf").write_text(
+        (self.config_dir / "main.cf").write_text(
             "".join(f"{k} = {v}\n" for k, v in settings.items())
         )
-        (self.directory / "master.cf").write_text(
+        (self.config_dir / "master.cf").write_text(
             _MASTER_CF.format(listen=f"{self.host}:{self.port}")
         )
         if self.mailboxes:
             self.mail_dir.mkdir(exist_ok=True)
             os.chown(self.mail_dir, MAIL_UID, MAIL_GID)
-            (self.directory / "vmailbox").write_text(
+            (self.config_dir / "vmailbox").write_text(
                 "".join(f"{box} {self._relative_maildir(box)}/\n" for box in self.mailboxes)
             )
 
@@ -279,20 +304,31 @@ class Postfix:
     # ----------------------------------------------------------------------- lifecycle
 
     def _command(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [POSTFIX, "-c", str(self.directory), *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        """Run ``postfix -c DIR args``. Its messages go to the terminal only (else to the
+        log daemon, which may not run yet), so it gets a pseudo-terminal to write to."""
+        controller, terminal = os.openpty()
+        try:
+            proc = subprocess.run(
+                [POSTFIX, "-c", str(self.config_dir), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=terminal,
+                stderr=terminal,
+                timeout=60,
+                check=False,
+            )
+            os.close(terminal)
+            terminal = -1
+            output = _drain(controller)
+        finally:
+            if terminal >= 0:
+                os.close(terminal)
+            os.close(controller)
         if check and proc.returncode != 0:
             raise PostfixError(
                 f"postfix {' '.join(args)} (in {self.directory}) failed with status "
-                f"{proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}\n"
-                f"{self.log_tail()}"
+                f"{proc.returncode}: {output.strip()}\n{self.log_tail()}"
             )
-        return proc
+        return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
     @property
     def running(self) -> bool:
@@ -392,3 +428,87 @@ class Postfix:
             if base.is_dir() and any(p.is_file() for p in base.rglob("*")):
                 return False
         return True
+
+
+# --------------------------------------------------------------------------- jsqueue CLI
+
+
+class JsqueueProcess:
+    """``python -m jsqueue <command>`` as a child process with ``JSQUEUE_*`` settings.
+
+    Output goes to ``log_file``; :meth:`wait_for_log` waits for a line to appear in it
+    (for example the front end's "listening on" line that carries its port).
+
+    Args:
+        command: the CLI command and arguments, e.g. ``["up"]``.
+        env: ``JSQUEUE_…`` variables (added to the current environment).
+        log_file: where stdout and stderr go.
+    """
+
+    def __init__(self, command: list[str], env: Mapping[str, str], log_file: Path) -> None:
+        self.command = command
+        self.env = {**os.environ, **env}
+        self.log_file = log_file
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> JsqueueProcess:
+        """Start the process (see :meth:`wait_for_log` for readiness)."""
+        with self.log_file.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jsqueue", *self.command],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        """The child's process id.
+
+        Raises:
+            RuntimeError: not started.
+        """
+        if self.proc is None:
+            raise RuntimeError("not started")
+        return self.proc.pid
+
+    def log(self) -> str:
+        """Everything the process wrote so far."""
+        try:
+            return self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_for_log(self, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:
+        """Wait until a line matching ``pattern`` (a regex) was written; return the match.
+
+        Raises:
+            AssertionError: the process exited or nothing matched within ``timeout_s`` s.
+        """
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = self.log()
+            if m := regex.search(text):
+                return m
+            exited = self.proc is not None and self.proc.poll() is not None
+            if exited or time.monotonic() > deadline:
+                why = "exited" if exited else f"nothing within {timeout_s} s"
+                tail = "\n".join(text.splitlines()[-30:])
+                raise AssertionError(f"jsqueue {self.command}: {why} matching {pattern!r}\n{tail}")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (graceful drain), SIGKILL after ``timeout_s`` seconds; the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode

@@ -1,0 +1,490 @@
+"""State-change events: what happened to which message, for other systems to consume.
+
+Every state change of a queued message becomes one :class:`Event` (DESIGN.md §3, the
+``events`` stream): received by the front end; delivered, deferred, bounced or expired per
+recipient by a worker; held, released, flushed, deleted or bounced by an operator. Events
+are JSON on ``Names.event_subject(kind)`` in the limits-retention events stream, so a
+consumer can follow them live or replay them from any point (:func:`tail`).
+
+The seam is :class:`Observer`: the worker, the front end and the admin operations call
+``observer.emit(event)`` where a state change has been stored (after the compare-and-set,
+never before). Implementations:
+
+* :class:`NullObserver` - does nothing (the default everywhere);
+* :class:`JetStreamPublisher` - publishes to the events stream in the background;
+* :class:`Fanout` - hands each event to several observers (e.g. the publisher and
+  :class:`jsqueue.metrics.Metrics`), isolating them from each other.
+
+Publishing never blocks or fails delivery: :meth:`Observer.emit` is synchronous and only
+appends to a bounded buffer; a background task publishes from it. When the buffer is full
+the event is dropped; when a publish fails it is not retried. Both are logged (rate
+limited) and counted (``dropped``, ``failed``), and the counts are exported as metrics.
+Events are therefore a best-effort record, not the source of truth (KV is, DESIGN.md §2.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import datetime
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import api
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jsqueue.config import NatsSettings
+from jsqueue.envelope import Entry, Recipient, RecipientState, Reply, UTCDateTime, utcnow
+from jsqueue.errors import StoreUnavailable
+from jsqueue.names import Names
+from jsqueue.store.jetstream import connect_nats
+
+log = logging.getLogger("jsqueue.events")
+
+#: Events held in memory waiting to be published; further events are dropped (counted).
+BUFFER_SIZE = 10_000
+#: Events published concurrently by the background task.
+PUBLISH_WINDOW = 64
+#: Minimum pause between two warnings about dropped or failed events, seconds.
+WARN_INTERVAL_S = 10.0
+
+
+class EventKind(StrEnum):
+    """What happened. Recipient-level kinds carry ``recipient``; the others do not."""
+
+    RECEIVED = "received"  # the front end stored the message and answered 250
+    DELIVERED = "delivered"  # a recipient was accepted by the next hop (2yz)
+    DEFERRED = "deferred"  # a recipient failed temporarily (4yz) and will be retried
+    BOUNCED = "bounced"  # a recipient failed permanently (5yz) or was bounced by an operator
+    EXPIRED = "expired"  # a recipient's queue lifetime ran out (RFC 5321 §4.5.4.1)
+    HELD = "held"  # an operator put the message on hold
+    RELEASED = "released"  # an operator released a held message
+    FLUSHED = "flushed"  # an operator asked for delivery now, overriding the backoff
+    DELETED = "deleted"  # an operator deleted the message (no DSN)
+
+
+class Event(BaseModel):
+    """One state change, as published (JSON) on ``Names.event_subject(kind)``.
+
+    Attributes:
+        id: unique event id (32 hex characters); consumers may deduplicate on it.
+        kind: what happened.
+        at: when it was stored, aware UTC.
+        queue_id: the message's queue id.
+        recipient: the forward-path concerned (recipient-level kinds), else None.
+        domain: the recipient's routing domain (recipient-level kinds), else None.
+        state: the recipient's state after the change (e.g. ``failed`` for a bounce that
+            owes no DSN because the reverse-path is null), else None.
+        reply: the SMTP reply recorded (with ``remote_host``, the MX that gave it).
+        attempts: the recipient's attempt count after the change.
+        next_attempt_at: when a deferred recipient is tried next.
+        duration_s: how long the delivery attempt took, seconds (attempt outcomes only).
+        reverse_path: the envelope sender (``""`` is ``<>``).
+        recipients: every forward-path of the message (``received`` only).
+        size: message size, octets (``received`` only).
+        source: who changed the state: ``frontend``, ``worker:<owner>`` or ``admin``.
+        detail: free text, e.g. why an admin action did what it did.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    kind: EventKind
+    at: UTCDateTime = Field(default_factory=utcnow)
+    queue_id: str
+    recipient: str | None = None
+    domain: str | None = None
+    state: RecipientState | None = None
+    reply: Reply | None = None
+    attempts: int | None = None
+    next_attempt_at: UTCDateTime | None = None
+    duration_s: float | None = None
+    reverse_path: str | None = None
+    recipients: list[str] | None = None
+    size: int | None = None
+    source: str | None = None
+    detail: str | None = None
+
+    def to_json(self) -> bytes:
+        """UTF-8 JSON without null fields (the published payload)."""
+        return self.model_dump_json(exclude_none=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Event:
+        """Parse a published event.
+
+        Raises:
+            pydantic.ValidationError: not an event.
+        """
+        return cls.model_validate_json(data)
+
+
+def received_event(entry: Entry, *, source: str = "frontend") -> Event:
+    """The ``received`` event of a newly stored entry."""
+    return Event(
+        kind=EventKind.RECEIVED,
+        at=entry.created_at,
+        queue_id=entry.id,
+        reverse_path=entry.reverse_path,
+        recipients=[r.address for r in entry.recipients],
+        size=entry.size,
+        source=source,
+    )
+
+
+def recipient_event(
+    kind: EventKind,
+    entry: Entry,
+    recipient: Recipient,
+    *,
+    source: str,
+    at: datetime | None = None,
+    duration_s: float | None = None,
+    detail: str | None = None,
+) -> Event:
+    """A recipient-level event (delivered, deferred, bounced, expired) from the stored
+    recipient: its state, reply, attempts and next attempt after the change."""
+    return Event(
+        kind=kind,
+        at=at or utcnow(),
+        queue_id=entry.id,
+        recipient=recipient.address,
+        domain=recipient.domain,
+        state=recipient.state,
+        reply=recipient.last_reply,
+        attempts=recipient.attempts,
+        next_attempt_at=recipient.next_attempt_at,
+        duration_s=duration_s,
+        reverse_path=entry.reverse_path,
+        source=source,
+        detail=detail,
+    )
+
+
+def entry_event(
+    kind: EventKind,
+    entry: Entry,
+    *,
+    source: str = "admin",
+    at: datetime | None = None,
+    detail: str | None = None,
+) -> Event:
+    """A message-level event (held, released, flushed, deleted)."""
+    return Event(
+        kind=kind,
+        at=at or utcnow(),
+        queue_id=entry.id,
+        reverse_path=entry.reverse_path,
+        recipients=[r.address for r in entry.recipients],
+        source=source,
+        detail=detail,
+    )
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """Receives every state change after it has been stored."""
+
+    def emit(self, event: Event) -> None:
+        """Take one event. Must return at once, never block on I/O and never raise."""
+        ...
+
+
+class NullObserver:
+    """An :class:`Observer` that ignores everything (the default)."""
+
+    def emit(self, event: Event) -> None:
+        """Ignore ``event``."""
+
+
+NULL_OBSERVER: Observer = NullObserver()
+"""The shared no-op observer; stateless, so one instance serves everyone."""
+
+
+class Fanout:
+    """Hands each event to several observers; one that raises is logged and skipped, so it
+    cannot break the caller or the other observers.
+
+    Args:
+        observers: the observers, called in order.
+    """
+
+    def __init__(self, *observers: Observer) -> None:
+        self.observers: tuple[Observer, ...] = observers
+        self.errors = 0
+
+    def emit(self, event: Event) -> None:
+        """Give ``event`` to every observer. Never raises."""
+        for observer in self.observers:
+            try:
+                observer.emit(event)
+            except Exception:
+                self.errors += 1
+                log.exception("observer %r failed on a %s event", observer, event.kind.value)
+
+
+class _Throttle:
+    """At most one log line per ``interval_s`` seconds, with the count of what was held back."""
+
+    def __init__(self, interval_s: float = WARN_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self._held_back = 0
+
+    def warn(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._held_back += 1
+            return
+        suffix = f" ({self._held_back} similar messages suppressed)" if self._held_back else ""
+        self._last, self._held_back = now, 0
+        log.warning(message + suffix, *args)
+
+
+class JetStreamPublisher:
+    """An :class:`Observer` that publishes events to the events stream in the background.
+
+    :meth:`emit` appends to a buffer of at most ``buffer_size`` events (dropping the new event
+    when full) and wakes the publishing task started by :meth:`start`. The task publishes
+    up to ``PUBLISH_WINDOW`` events at a time and waits for the stream's acks; a failed
+    publish is counted and logged, never retried (no delivery waits for it). Use
+    :func:`open_publisher` for a publisher with its own NATS connection, so event traffic
+    never queues behind (or in front of) work-item acks.
+
+    Attributes:
+        published: events the stream acknowledged.
+        dropped: events discarded because the buffer was full or the publisher closed.
+        failed: events whose publish failed (timeout, no stream, connection closed).
+
+    Args:
+        nc: a connected client (not closed by the publisher).
+        names: object names (events stream and subjects).
+        buffer_size: events held at most while waiting to be published.
+        timeout_s: publish timeout per event, seconds.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        names: Names,
+        *,
+        buffer_size: int = BUFFER_SIZE,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.js = nc.jetstream(timeout=timeout_s)
+        self.names = names
+        self.buffer_size = buffer_size
+        self.published = 0
+        self.dropped = 0
+        self.failed = 0
+        self._buffer: deque[Event] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._warn_drop = _Throttle()
+        self._warn_fail = _Throttle()
+
+    @property
+    def pending(self) -> int:
+        """Events buffered or being published right now."""
+        return len(self._buffer) + (0 if self._idle.is_set() else 1)
+
+    def emit(self, event: Event) -> None:
+        """Buffer ``event`` for publishing. Never blocks, never raises."""
+        if self._closed or len(self._buffer) >= self.buffer_size:
+            self.dropped += 1
+            self._warn_drop.warn(
+                "events: buffer full or publisher closed; dropped a %s event of %s (%d dropped)",
+                event.kind.value,
+                event.queue_id,
+                self.dropped,
+            )
+            return
+        self._buffer.append(event)
+        self._idle.clear()
+        self._wake.set()
+
+    def start(self) -> None:
+        """Start the background publishing task on the running loop. Idempotent."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="jsqueue-events")
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything buffered so far has been published (or failed).
+
+        Returns:
+            True when the buffer drained within ``timeout_s`` seconds.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Publish what is buffered (within ``timeout_s`` seconds), then stop; events still
+        buffered after that are counted as dropped. Idempotent."""
+        if self._task is None or self._closed:
+            self._closed = True
+            self.dropped += len(self._buffer)
+            self._buffer.clear()
+            return
+        await self.flush(timeout_s)
+        self._closed = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.dropped += len(self._buffer)
+        self._buffer.clear()
+
+    async def _run(self) -> None:
+        while True:
+            if not self._buffer:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [self._buffer.popleft() for _ in range(min(PUBLISH_WINDOW, len(self._buffer)))]
+            results = await asyncio.gather(
+                *(self._publish(e) for e in batch), return_exceptions=True
+            )
+            for event, result in zip(batch, results, strict=True):
+                if isinstance(result, BaseException):
+                    self.failed += 1
+                    self._warn_fail.warn(
+                        "events: publishing a %s event of %s failed: %r (%d failed)",
+                        event.kind.value,
+                        event.queue_id,
+                        result,
+                        self.failed,
+                    )
+                else:
+                    self.published += 1
+
+    async def _publish(self, event: Event) -> None:
+        await self.js.publish(
+            self.names.event_subject(event.kind.value),
+            event.to_json(),
+            stream=self.names.events_stream,
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_publisher(
+    settings: NatsSettings, urls: list[str], names: Names | None = None
+) -> AsyncIterator[JetStreamPublisher]:
+    """A started :class:`JetStreamPublisher` on its own NATS connection; closed (buffer
+    published within the request timeout) and disconnected on exit.
+
+    The events stream must exist (:func:`jsqueue.store.jetstream.provision` creates it).
+
+    Raises:
+        StoreUnavailable: NATS unreachable within the connect timeout.
+    """
+    names = names or Names(settings.prefix)
+    nc = await connect_nats(settings, urls)
+    publisher = JetStreamPublisher(nc, names, timeout_s=settings.request_timeout_s)
+    publisher.start()
+    try:
+        yield publisher
+    finally:
+        await publisher.close(settings.request_timeout_s)
+        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+            await nc.close()
+
+
+async def tail(
+    settings: NatsSettings,
+    urls: list[str],
+    *,
+    names: Names | None = None,
+    kinds: Iterable[EventKind] = (),
+    since: datetime | None = None,
+    from_start: bool = False,
+    ready: asyncio.Event | None = None,
+) -> AsyncIterator[Event]:
+    """Follow the events stream (an ordered, ephemeral consumer: nothing is acked or kept).
+
+    Args:
+        settings: the ``nats`` settings section.
+        urls: server URLs.
+        names: object names; ``Names(settings.prefix)`` when None.
+        kinds: only these kinds (all when empty).
+        since: start with the events stored at or after this instant.
+        from_start: start with the oldest event kept (the stream keeps 7 days).
+        ready: set once the consumer exists (events stored later are certainly seen).
+
+    Yields:
+        events in stream order, forever (stop by closing the generator); without ``since``
+        or ``from_start`` only events stored after the call. Payloads that are not events
+        are logged and skipped.
+
+    Raises:
+        StoreUnavailable: NATS unreachable, or the events stream does not exist.
+    """
+    names = names or Names(settings.prefix)
+    wanted = {k.value for k in kinds}
+    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW)
+    if from_start:
+        config.deliver_policy = api.DeliverPolicy.ALL
+    elif since is not None:
+        config.deliver_policy = api.DeliverPolicy.BY_START_TIME
+        config.opt_start_time = since
+    nc = await connect_nats(settings, urls)
+    try:
+        js = nc.jetstream(timeout=settings.request_timeout_s)
+        try:
+            sub = await js.subscribe(
+                names.event_subject(">"),
+                stream=names.events_stream,
+                ordered_consumer=True,
+                config=config,
+            )
+        except (nats.errors.Error, TimeoutError, OSError) as e:
+            raise StoreUnavailable(f"events stream {names.events_stream}: {e!r}") from e
+        if ready is not None:
+            ready.set()
+        prefix = names.event_subject("")
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except TimeoutError:
+                continue
+            except nats.errors.Error as e:
+                raise StoreUnavailable(f"events stream {names.events_stream}: {e!r}") from e
+            kind = msg.subject[len(prefix) :]
+            if wanted and kind not in wanted:
+                continue
+            try:
+                yield Event.from_json(msg.data)
+            except ValidationError as e:
+                log.warning("events: skipping a non-event on %s: %s", msg.subject, e)
+    finally:
+        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+            await nc.close()
+
+
+def attempt_events(
+    entry: Entry,
+    groups: Sequence[tuple[EventKind, Sequence[Recipient]]],
+    *,
+    source: str,
+    at: datetime,
+    duration_s: float | None,
+) -> list[Event]:
+    """The events of one recorded delivery attempt, one per recipient (worker helper)."""
+    return [
+        recipient_event(kind, entry, r, source=source, at=at, duration_s=duration_s)
+        for kind, rcpts in groups
+        for r in rcpts
+    ]

@@ -1,0 +1,135 @@
+"""The HTTP endpoint of a jsqueue process: ``/metrics``, ``/healthz`` and ``/readyz``.
+
+* ``GET /metrics`` - the process's Prometheus registry (text exposition format).
+* ``GET /healthz`` - liveness: 200 while the event loop answers (STYLE.md habit 10).
+* ``GET /readyz`` - readiness: 200 when every registered component is ready (NATS probe
+  succeeded, front end listening, worker fetching), else 503; the JSON body says which.
+  A draining process turns not-ready first, so a load balancer stops sending it work.
+
+Served by aiohttp on ``http.host:http.port`` (settings section ``http``), on the same
+event loop as the queue; nothing here touches NATS (the probe does, on its own schedule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jsqueue.config import HttpSettings
+from jsqueue.metrics import Metrics
+
+log = logging.getLogger("jsqueue.health")
+
+
+class Health:
+    """Readiness of a process's components (``nats``, ``smtp``, ``worker`` ...).
+
+    A component is registered not ready with :meth:`require` and flips with :meth:`set`;
+    the process is ready when every registered component is. Not thread-safe (one loop).
+    """
+
+    def __init__(self) -> None:
+        self._ready: dict[str, bool] = {}
+
+    def require(self, *components: str) -> None:
+        """Register components, not ready yet. Idempotent for known components."""
+        for name in components:
+            self._ready.setdefault(name, False)
+
+    def set(self, component: str, ready: bool) -> None:
+        """Mark ``component`` ready or not (registering it if new)."""
+        self._ready[component] = ready
+
+    @property
+    def components(self) -> dict[str, bool]:
+        """A copy of every component's readiness."""
+        return dict(self._ready)
+
+    @property
+    def ready(self) -> bool:
+        """True when at least one component is registered and all are ready."""
+        return bool(self._ready) and all(self._ready.values())
+
+
+class HttpServer:
+    """aiohttp server for ``/metrics``, ``/healthz`` and ``/readyz``.
+
+    Args:
+        settings: the ``http`` settings section (listen host and port; port 0 = any).
+        metrics: the registry to expose.
+        health: readiness of the process.
+    """
+
+    def __init__(self, settings: HttpSettings, metrics: Metrics, health: Health) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.health = health
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._site: web.TCPSite | None = None
+
+    async def start(self) -> None:
+        """Listen on ``settings.host:settings.port``.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await self._site.start()
+        log.info("HTTP endpoint on http://%s:%d/metrics", *self.address)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound (the real port when configured as 0).
+
+        Raises:
+            RuntimeError: not started.
+        """
+        addresses = self._runner.addresses if self._site is not None else []
+        if not addresses:
+            raise RuntimeError("HTTP server not started")
+        host, port = addresses[0][:2]
+        return str(host), int(port)
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:9125``."""
+        host, port = self.address
+        return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+    async def stop(self) -> None:
+        """Stop listening and close open connections. Idempotent."""
+        await self._runner.cleanup()
+        self._site = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready = self.health.ready
+        body = json.dumps({"ready": ready, "components": self.health.components})
+        return web.Response(
+            text=body + "\n", status=200 if ready else 503, content_type="application/json"
+        )
+
+
+async def serve_http(settings: HttpSettings, metrics: Metrics, health: Health) -> HttpServer:
+    """Start the HTTP endpoint on the running loop; ``await server.stop()`` to end it.
+
+    Raises:
+        OSError: the listen address cannot be bound.
+    """
+    server = HttpServer(settings, metrics, health)
+    await server.start()
+    return server
