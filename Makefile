@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest tools e2e bench bench-ingest clean
+.PHONY: install run test lint typecheck pytest tools e2e bench bench-ingest clean cluster
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ tools:
 
 run: install
 	$(BIN)/jsqueue up
+
+# A local three-node nats-server cluster (client ports 4222-4224, routes 6222-6224, stores
+# under data/nats/cluster/); point jsqueue at it with the URLs and replicas it prints.
+cluster: install
+	$(BIN)/jsqueue nats --cluster
 
 lint: install
 	$(BIN)/ruff check jsqueue tests bench

@@ -47,7 +47,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from jsqueue import replies
 from jsqueue.config import Settings
@@ -70,6 +70,7 @@ from jsqueue.errors import (
 )
 from jsqueue.events import (
     NULL_OBSERVER,
+    Event,
     EventKind,
     Observer,
     entry_event,
@@ -80,7 +81,7 @@ from jsqueue.names import check_queue_id
 from jsqueue.store.base import Stores, Versioned, WorkItem
 
 #: Entries read per store request when scanning the whole queue (``EntryStore.page``).
-SCAN_PAGE = 5000
+SCAN_PAGE = 10_000
 #: Compare-and-set tries of one action before it gives up (RevisionConflict).
 CAS_TRIES = 20
 #: Actions running concurrently in a bulk operation.
@@ -292,7 +293,7 @@ class EntryFilter(BaseModel):
         max_age_s: only entries at most this old, seconds.
 
     Raises:
-        InvalidName: ``domain`` cannot be a routing domain.
+        pydantic.ValidationError: ``domain`` cannot be a routing domain, or an age is < 0.
     """
 
     states: frozenset[EntryState] | None = None
@@ -301,10 +302,10 @@ class EntryFilter(BaseModel):
     min_age_s: float | None = Field(None, ge=0)
     max_age_s: float | None = Field(None, ge=0)
 
-    def model_post_init(self, _context: object) -> None:
-        """Normalise the domain to its A-label form."""
-        if self.domain is not None:
-            object.__setattr__(self, "domain", routing_domain("x@" + self.domain))
+    @field_validator("domain")
+    @classmethod
+    def _a_label(cls, domain: str | None) -> str | None:
+        return routing_domain("x@" + domain) if domain is not None else None
 
     @property
     def is_empty(self) -> bool:
@@ -324,8 +325,10 @@ class EntryFilter(BaseModel):
             return False
         if self.domain is not None:
             final = entry.is_final
-            if not any(r.domain == self.domain and (final or not r.state.is_final)
-                       for r in entry.recipients):
+            if not any(
+                r.domain == self.domain and (final or not r.state.is_final)
+                for r in entry.recipients
+            ):
                 return False
         if self.sender is not None and not _sender_matches(self.sender, entry.reverse_path):
             return False
@@ -353,7 +356,8 @@ def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Ent
     if entry.held:
         return None, "held: release it instead"
     targets = [
-        r for r in entry.recipients
+        r
+        for r in entry.recipients
         if not r.state.is_final and (domain is None or r.domain == domain)
     ]
     if not targets:
@@ -459,23 +463,36 @@ class Admin:
     # ------------------------------------------------------------------ reading
 
     async def scan(
-        self, flt: EntryFilter, *, after: str | None = None, page_size: int = SCAN_PAGE
+        self,
+        flt: EntryFilter,
+        *,
+        after: str | None = None,
+        page_size: int = SCAN_PAGE,
+        first_page: int | None = None,
     ) -> AsyncGenerator[Versioned, None]:
         """Every entry matching ``flt`` in queue-id (arrival) order, page by page.
+
+        Args:
+            flt: which entries.
+            after: start after this queue id.
+            page_size: entries read per store request (1..10000).
+            first_page: a smaller first request, so the first entries come quickly.
 
         Raises:
             StoreUnavailable.
         """
         now = self.clock()
         state = flt.store_state()
+        size = first_page or page_size
         while True:
-            page = await self.stores.entries.page(state=state, after=after, limit=page_size)
+            page = await self.stores.entries.page(state=state, after=after, limit=size)
             for v in page:
                 if flt.matches(v.entry, now):
                     yield v
-            if len(page) < page_size:
+            if len(page) < size:
                 return
             after = page[-1].entry.id
+            size = page_size
 
     async def page(
         self, flt: EntryFilter | None = None, *, after: str | None = None, limit: int = 100
@@ -729,7 +746,9 @@ class Admin:
                 )
         return self._result(queue_id, Action.BOUNCE, Outcome.DONE, c.detail, c.after)
 
-    async def act(self, action: Action, queue_id: str, *, domain: str | None = None) -> ActionResult:
+    async def act(
+        self, action: Action, queue_id: str, *, domain: str | None = None
+    ) -> ActionResult:
         """Run one action; every error becomes a NOT_FOUND or FAILED result. Never raises
         :class:`~jsqueue.errors.JsqueueError`.
 
@@ -943,3 +962,21 @@ def summaries_total(entries: Iterable[EntrySummary]) -> tuple[int, int]:
         n += 1
         size += e.size
     return n, size
+
+
+def render_event(e: Event) -> str:
+    """One line per event: time, kind, queue id and what is known (recipient, reply ...)."""
+    parts = [_ts(e.at), f"{e.kind.value:<9}", e.queue_id]
+    if e.recipient is not None:
+        parts.append(f"to=<{e.recipient}>")
+    elif e.recipients is not None and e.kind is EventKind.RECEIVED:
+        parts.append(f"from=<{e.reverse_path or ''}> to={','.join(e.recipients)} size={e.size}")
+    if e.reply is not None:
+        parts.append(f"({e.reply})")
+    if e.next_attempt_at is not None:
+        parts.append(f"next={_ts(e.next_attempt_at)}")
+    if e.detail:
+        parts.append(e.detail)
+    if e.source:
+        parts.append(f"by {e.source}")
+    return " ".join(parts)

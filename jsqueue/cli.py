@@ -7,19 +7,41 @@ Exit codes: 0 success; 1 runtime failure (NATS unreachable, health check failed)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
+from pydantic import BaseModel, ValidationError
 
+from jsqueue.admin import (
+    LS_HEADER,
+    Action,
+    EntryFilter,
+    EntrySummary,
+    Outcome,
+    open_admin,
+    parse_duration,
+    render_counts,
+    render_detail,
+    render_entry_lines,
+    render_event,
+    render_result,
+    render_stats,
+)
 from jsqueue.config import Settings, load_settings
-from jsqueue.errors import ConfigError, JsqueueError
+from jsqueue.envelope import EntryState, utcnow
+from jsqueue.errors import BodyNotFound, ConfigError, EntryNotFound, InvalidName, JsqueueError
+from jsqueue.events import EventKind, tail
 from jsqueue.logs import setup_logging
+from jsqueue.names import check_queue_id
 
 app = typer.Typer(
     add_completion=False,
@@ -109,13 +131,33 @@ def worker() -> None:
 
 
 @app.command()
-def nats() -> None:
+def nats(
+    cluster: Annotated[
+        bool,
+        typer.Option(
+            "--cluster",
+            help="A local three-node cluster instead: client ports nats.port and the next "
+            "two, route ports 6222-6224, stores under nats.store_dir/cluster.",
+        ),
+    ] = False,
+) -> None:
     """Run only the embedded nats-server (JetStream, nats.store_dir, nats.port)."""
     from jsqueue.runtime import embedded_nats
 
     settings = _settings()
 
     async def main(stop: asyncio.Event) -> None:
+        if cluster:
+            from jsqueue.nats_cluster import cluster_from_settings
+
+            async with cluster_from_settings(settings.nats) as nodes:
+                typer.echo(f"nats cluster ready on {', '.join(nodes.urls)}")
+                typer.echo(
+                    f"point jsqueue at it: JSQUEUE_NATS__URLS='{json.dumps(nodes.urls)}' "
+                    "JSQUEUE_NATS__REPLICAS=3"
+                )
+                await stop.wait()
+            return
         async with embedded_nats(settings) as urls:
             typer.echo(f"nats-server ready on {', '.join(urls)}")
             await stop.wait()
@@ -127,23 +169,30 @@ def nats() -> None:
 def check() -> None:
     """Health probe: exit 0 when NATS answers and the queue's streams exist, else 1."""
     from jsqueue.runtime import nats_urls
-    from jsqueue.store.jetstream import open_jetstream
+    from jsqueue.store.jetstream import queue_backlog
 
     settings = _settings()
 
     async def main(stop: asyncio.Event) -> None:
-        stores = await open_jetstream(settings.nats, nats_urls(settings))
-        try:
-            backlog = await stores.scheduler.backlog()
-        finally:
-            await stores.close()
-        typer.echo(f"ok: NATS reachable, backlog {backlog}")
+        backlog = await queue_backlog(settings.nats, nats_urls(settings))
+        typer.echo(f"ok: NATS reachable, queue set up, backlog {backlog}")
 
     _run_until_signal(main)
 
 
+def _hide_url_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:**********@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def _redacted(settings: Settings) -> dict[str, Any]:
+    """Settings as JSON data with every secret masked: SecretStr fields (pydantic prints
+    them as ``**********``) and passwords inside NATS URLs."""
     data: dict[str, Any] = json.loads(settings.model_dump_json())
+    data["nats"]["urls"] = [_hide_url_password(u) for u in data["nats"]["urls"]]
     return data
 
 
@@ -163,6 +212,348 @@ def config_show(
         for key, value in values.items():
             typer.echo(f"{key} = {json.dumps(value)}")
         typer.echo("")
+
+
+# --------------------------------------------------------------------------- queue
+
+
+queue_app = typer.Typer(
+    help="List, inspect and act on the queue, cluster-wide (like mailq, postqueue, postsuper).",
+    no_args_is_help=True,
+)
+app.add_typer(queue_app, name="queue")
+events_app = typer.Typer(help="Follow the events stream.", no_args_is_help=True)
+app.add_typer(events_app, name="events")
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="JSON output; listings print one object per line.")
+]
+StateOption = Annotated[
+    list[EntryState] | None,
+    typer.Option("--state", help="Only entries in this state (repeatable); default: not done."),
+]
+DomainOption = Annotated[
+    str | None, typer.Option("--domain", help="Only entries with an open recipient at DOMAIN.")
+]
+SenderOption = Annotated[
+    str | None,
+    typer.Option("--sender", help="Only this reverse-path ('<>' = null, '@dom' = a domain)."),
+]
+MinAgeOption = Annotated[
+    str | None, typer.Option("--min-age", help="Only entries at least this old (90s, 15m, 2h, 3d).")
+]
+MaxAgeOption = Annotated[
+    str | None, typer.Option("--max-age", help="Only entries at most this old (90s, 15m, 2h, 3d).")
+]
+IdsArgument = Annotated[list[str] | None, typer.Argument(help="Queue ids.", show_default=False)]
+AllOption = Annotated[bool, typer.Option("--all", help="Every entry still in the queue.")]
+
+
+def _filter(
+    states: list[EntryState] | None,
+    domain: str | None,
+    sender: str | None,
+    min_age: str | None,
+    max_age: str | None,
+) -> EntryFilter:
+    """Options to an EntryFilter; a bad value is a usage error (exit 2)."""
+    try:
+        return EntryFilter(
+            states=frozenset(states) if states else None,
+            domain=domain,
+            sender=sender,
+            min_age_s=parse_duration(min_age) if min_age is not None else None,
+            max_age_s=parse_duration(max_age) if max_age is not None else None,
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "--" + "-".join(str(x) for x in err["loc"]).replace("_s", "").replace("_", "-")
+        _fail(f"{where}: {err['msg']}", 2)
+    except (ValueError, JsqueueError) as e:
+        _fail(str(e).splitlines()[0], 2)
+
+
+def _echo_json(model: BaseModel) -> None:
+    typer.echo(model.model_dump_json())
+
+
+@queue_app.command("ls")
+def queue_ls(
+    states: StateOption = None,
+    domain: DomainOption = None,
+    sender: SenderOption = None,
+    min_age: MinAgeOption = None,
+    max_age: MaxAgeOption = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most N entries.")] = None,
+    after: Annotated[
+        str | None, typer.Option("--after", help="Start after this queue id (paging).")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List the queue like mailq: id (! held, * active), size, arrival, sender, then each
+    recipient with its state, attempts and last reply. Streams page by page."""
+    settings = _settings()
+    flt = _filter(states, domain, sender, min_age, max_age)
+    if after is not None:
+        try:
+            check_queue_id(after)
+        except JsqueueError as e:
+            _fail(str(e), 2)
+
+    async def main(stop: asyncio.Event) -> None:
+        shown = octets = 0
+        last: str | None = None
+        async with open_admin(settings, events=False) as adm:
+            if not as_json:
+                typer.echo(LS_HEADER)
+            scan = adm.scan(flt, after=after, first_page=min(limit or 100, 100))
+            async with contextlib.aclosing(scan) as found:
+                async for v in found:
+                    summary = EntrySummary.of(v.entry)
+                    if as_json:
+                        _echo_json(summary)
+                    else:
+                        typer.echo("\n".join(render_entry_lines(summary)))
+                    shown, octets, last = shown + 1, octets + summary.size, summary.id
+                    if shown % 100 == 0:
+                        sys.stdout.flush()
+                    if (limit is not None and shown >= limit) or stop.is_set():
+                        break
+        if not as_json:
+            typer.echo(f"-- {octets / 1024:.0f} Kbytes in {shown} Requests.")
+        if limit is not None and shown >= limit and last is not None:
+            typer.echo(f"(limit reached; continue with --after {last})", err=True)
+
+    _run_until_signal(main)
+
+
+@queue_app.command("show")
+def queue_show(
+    queue_id: Annotated[str, typer.Argument(help="Queue id.")],
+    body: Annotated[bool, typer.Option("--body", help="Print the stored message only.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Show one entry: envelope, every recipient's attempts, last reply and schedule."""
+    settings = _settings()
+
+    async def main(stop: asyncio.Event) -> None:
+        async with open_admin(settings, events=False) as adm:
+            try:
+                if body:
+                    out = sys.stdout.buffer
+                    async with contextlib.aclosing(adm.body(queue_id)) as chunks:
+                        async for chunk in chunks:
+                            out.write(chunk)
+                    out.flush()
+                    return
+                detail = await adm.show(queue_id)
+            except (EntryNotFound, BodyNotFound):
+                _fail(f"no such entry: {queue_id}", 1)
+            except InvalidName as e:
+                _fail(str(e), 2)
+        if as_json:
+            _echo_json(detail)
+        else:
+            typer.echo("\n".join(render_detail(detail)))
+
+    _run_until_signal(main)
+
+
+@queue_app.command("stats")
+def queue_stats(
+    top: Annotated[int, typer.Option("--top", min=1, help="Destinations shown.")] = 20,
+    as_json: JsonOption = False,
+) -> None:
+    """Counts by state and destination domain, the oldest entry's age, the backlog."""
+    settings = _settings()
+
+    async def main(stop: asyncio.Event) -> None:
+        async with open_admin(settings, events=False) as adm:
+            stats = await adm.stats()
+        if as_json:
+            _echo_json(stats)
+        else:
+            typer.echo("\n".join(render_stats(stats, top)))
+
+    _run_until_signal(main)
+
+
+def _bulk(
+    action: Action,
+    ids: list[str] | None,
+    flt: EntryFilter,
+    all_: bool,
+    as_json: bool,
+) -> None:
+    """Run ``action`` on the given ids, or on every entry the filter (or --all) selects."""
+    if ids and (all_ or not flt.is_empty):
+        _fail("give queue ids or a filter / --all, not both", 2)
+    if not ids and not all_ and flt.is_empty:
+        _fail("give queue ids, a filter (--state, --domain, --sender, --min-age...) or --all", 2)
+    settings = _settings()
+    exit_code = 0
+
+    async def main(stop: asyncio.Event) -> None:
+        nonlocal exit_code
+        async with open_admin(settings) as adm:
+            queue_ids = list(ids) if ids else await adm.select(flt)
+            domain = flt.domain if action is Action.FLUSH else None
+            if len(queue_ids) > 1:
+                with typer.progressbar(
+                    length=len(queue_ids), label=action.value, file=sys.stderr
+                ) as bar:
+                    result = await adm.apply(
+                        action, queue_ids, domain=domain, progress=lambda done, total: bar.update(1)
+                    )
+            else:
+                result = await adm.apply(action, queue_ids, domain=domain)
+        if as_json:
+            _echo_json(result)
+        else:
+            many = len(result.results) > 50
+            for r in result.results:
+                if not many or r.outcome in (Outcome.FAILED, Outcome.NOT_FOUND):
+                    typer.echo(render_result(r))
+            typer.echo(render_counts(result))
+        exit_code = 0 if result.ok else 1
+
+    _run_until_signal(main)
+    if exit_code:
+        raise typer.Exit(exit_code)
+
+
+@queue_app.command("flush")
+def queue_flush(
+    ids: IdsArgument = None,
+    states: StateOption = None,
+    domain: DomainOption = None,
+    sender: SenderOption = None,
+    min_age: MinAgeOption = None,
+    max_age: MaxAgeOption = None,
+    all_: AllOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Deliver now, overriding the backoff (with --domain: only that destination)."""
+    _bulk(Action.FLUSH, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+
+
+@queue_app.command("hold")
+def queue_hold(
+    ids: IdsArgument = None,
+    states: StateOption = None,
+    domain: DomainOption = None,
+    sender: SenderOption = None,
+    min_age: MinAgeOption = None,
+    max_age: MaxAgeOption = None,
+    all_: AllOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Put entries on hold: nothing is attempted until they are released."""
+    _bulk(Action.HOLD, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+
+
+@queue_app.command("release")
+def queue_release(
+    ids: IdsArgument = None,
+    states: StateOption = None,
+    domain: DomainOption = None,
+    sender: SenderOption = None,
+    min_age: MinAgeOption = None,
+    max_age: MaxAgeOption = None,
+    all_: AllOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Release held entries and deliver them now."""
+    _bulk(Action.RELEASE, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+
+
+@queue_app.command("delete")
+def queue_delete(
+    ids: IdsArgument = None,
+    states: StateOption = None,
+    domain: DomainOption = None,
+    sender: SenderOption = None,
+    min_age: MinAgeOption = None,
+    max_age: MaxAgeOption = None,
+    all_: AllOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete entries with their bodies and work items; no DSN is sent."""
+    _bulk(Action.DELETE, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+
+
+@queue_app.command("bounce")
+def queue_bounce(
+    ids: IdsArgument = None,
+    states: StateOption = None,
+    domain: DomainOption = None,
+    sender: SenderOption = None,
+    min_age: MinAgeOption = None,
+    max_age: MaxAgeOption = None,
+    all_: AllOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Bounce every open recipient (550 5.7.1) and send the DSN to the sender."""
+    _bulk(Action.BOUNCE, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+
+
+@events_app.command("tail")
+def events_tail(
+    kinds: Annotated[
+        list[EventKind] | None, typer.Option("--kind", help="Only this kind (repeatable).")
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Start this long ago (90s, 15m, 2h, 3d).")
+    ] = None,
+    from_start: Annotated[
+        bool, typer.Option("--from-start", help="Start with the oldest event kept.")
+    ] = False,
+    count: Annotated[
+        int | None, typer.Option("--count", min=1, help="Exit after N events.")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Follow the events stream (new events only, unless --since or --from-start)."""
+    settings = _settings()
+    try:
+        start = utcnow() - timedelta(seconds=parse_duration(since)) if since else None
+    except ValueError as e:
+        _fail(str(e), 2)
+
+    async def main(stop: asyncio.Event) -> None:
+        from jsqueue.runtime import nats_urls
+
+        seen = 0
+
+        async def follow() -> None:
+            nonlocal seen
+            stream = tail(
+                settings.nats,
+                nats_urls(settings),
+                kinds=kinds or (),
+                since=start,
+                from_start=from_start,
+            )
+            async with contextlib.aclosing(stream) as events:
+                async for event in events:
+                    typer.echo(event.to_json().decode() if as_json else render_event(event))
+                    sys.stdout.flush()
+                    seen += 1
+                    if count is not None and seen >= count:
+                        return
+
+        task = asyncio.create_task(follow())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return
+        task.result()
+
+    _run_until_signal(main)
 
 
 def main() -> None:

@@ -8,18 +8,30 @@ Durations are seconds (suffix ``_s``), sizes octets.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tomllib
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -44,7 +56,22 @@ class BareLinePolicy(StrEnum):
     ACCEPT = "accept"
 
 
-class NatsSettings(BaseModel):
+class _Section(BaseModel):
+    """A settings section: unknown keys are errors (a typo in a TOML file or a
+    ``JSQUEUE_<SECTION>__<NAME>`` variable must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _int_text(value: object) -> object:
+    """Environment values arrive as text, and ``"3"`` is not ``Literal[1, 3]``."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+Replicas = Annotated[Literal[1, 3], BeforeValidator(_int_text)]
+
+
+class NatsSettings(_Section):
     """Where the queue lives."""
 
     urls: list[str] = Field(
@@ -55,23 +82,23 @@ class NatsSettings(BaseModel):
     config_file: Path | None = Field(None, description="embedded server config file")
     port: int = Field(4222, ge=0, le=65535, description="embedded server client port (0 = any)")
     prefix: str = Field("jsq", description="name prefix of every bucket, stream and subject")
-    replicas: Literal[1, 3] = Field(1, description="replica count of buckets and streams")
+    replicas: Replicas = Field(1, description="replica count of buckets and streams")
     ack_wait_s: float = Field(60.0, gt=0, description="work item ack wait, seconds")
     max_ack_pending: int = Field(
         1_000_000, ge=1000, description="consumer limit; must exceed deferred backlog"
     )
     connect_timeout_s: float = Field(2.0, gt=0, description="NATS connect timeout, seconds")
     request_timeout_s: float = Field(5.0, gt=0, description="JetStream request timeout, seconds")
-    user: str | None = None
-    password: SecretStr | None = None
-    creds_file: Path | None = None
+    user: str | None = Field(None, description="NATS user name (with nats.password)")
+    password: SecretStr | None = Field(None, description="NATS password (secret)")
+    creds_file: Path | None = Field(None, description="NATS credentials file (JWT and NKey)")
 
 
 def _loopback_networks() -> list[IPv4Network | IPv6Network]:
     return [IPv4Network("127.0.0.0/8"), IPv6Network("::1/128")]
 
 
-class SmtpSettings(BaseModel):
+class SmtpSettings(_Section):
     """The SMTP front end."""
 
     host: str = Field("127.0.0.1", description="listen address")
@@ -85,7 +112,9 @@ class SmtpSettings(BaseModel):
         default_factory=_loopback_networks,
         description="client networks allowed to relay without AUTH",
     )
-    bare_line_endings: BareLinePolicy = Field(BareLinePolicy.REJECT)
+    bare_line_endings: BareLinePolicy = Field(
+        BareLinePolicy.REJECT, description="bare CR or LF in DATA: reject with 550 or accept"
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate chain for STARTTLS")
     tls_key: Path | None = Field(None, description="PEM private key for STARTTLS")
     require_tls: bool = Field(False, description="refuse MAIL before STARTTLS")
@@ -94,16 +123,16 @@ class SmtpSettings(BaseModel):
     store_timeout_s: float = Field(30.0, gt=0, description="max time to store before 451")
 
 
-class SmarthostSettings(BaseModel):
+class SmarthostSettings(_Section):
     """Send everything through one relay instead of MX lookup."""
 
-    host: str
-    port: int = Field(25, ge=1, le=65535)
-    username: str | None = None
-    password: SecretStr | None = None
+    host: str = Field(description="relay host name or address (required)")
+    port: int = Field(25, ge=1, le=65535, description="relay TCP port")
+    username: str | None = Field(None, description="AUTH user name; no AUTH when unset")
+    password: SecretStr | None = Field(None, description="AUTH password (secret)")
 
 
-class WorkerSettings(BaseModel):
+class WorkerSettings(_Section):
     """Delivery workers."""
 
     concurrency: int = Field(20, ge=1, description="deliveries in flight per worker")
@@ -112,63 +141,95 @@ class WorkerSettings(BaseModel):
     mx_port: int = Field(25, ge=1, le=65535, description="TCP port of remote MXes")
     max_mx_addresses: int = Field(5, ge=1, description="MX addresses tried per attempt")
     nameservers: list[str] = Field(default_factory=list, description="resolver IPs; empty=system")
-    nameserver_port: int = Field(53, ge=1, le=65535)
+    nameserver_port: int = Field(53, ge=1, le=65535, description="resolver port")
     dns_timeout_s: float = Field(5.0, gt=0, description="DNS lifetime per lookup, seconds")
-    tls: TlsPolicy = TlsPolicy.OPPORTUNISTIC
+    tls: TlsPolicy = Field(TlsPolicy.OPPORTUNISTIC, description="outbound STARTTLS policy")
     tls_policies: dict[str, TlsPolicy] = Field(
         default_factory=dict, description="per-destination-domain TLS policy overrides"
     )
     tls_ca_file: Path | None = Field(None, description="CA bundle for verified TLS")
-    connect_timeout_s: float = Field(30.0, gt=0)
+    connect_timeout_s: float = Field(30.0, gt=0, description="TCP connect per MX, seconds")
     # RFC 5321 §4.5.3.2 minimum timeouts
-    greeting_timeout_s: float = Field(300.0, gt=0)
-    mail_timeout_s: float = Field(300.0, gt=0)
-    rcpt_timeout_s: float = Field(300.0, gt=0)
-    data_init_timeout_s: float = Field(120.0, gt=0)
-    data_block_timeout_s: float = Field(180.0, gt=0)
-    data_final_timeout_s: float = Field(600.0, gt=0)
+    greeting_timeout_s: float = Field(300.0, gt=0, description="220 greeting, seconds")
+    mail_timeout_s: float = Field(300.0, gt=0, description="MAIL reply, seconds")
+    rcpt_timeout_s: float = Field(300.0, gt=0, description="RCPT reply, seconds")
+    data_init_timeout_s: float = Field(120.0, gt=0, description="DATA 354 reply, seconds")
+    data_block_timeout_s: float = Field(180.0, gt=0, description="each data block, seconds")
+    data_final_timeout_s: float = Field(600.0, gt=0, description="reply to the dot, seconds")
     lease_s: float = Field(600.0, gt=0, description="claim lease per delivery, seconds")
     drain_timeout_s: float = Field(20.0, gt=0, description="SIGTERM drain bound, seconds")
     body_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="local body cache size")
     body_cache_dir: Path | None = Field(None, description="cache dir; a temp dir when unset")
-    smarthost: SmarthostSettings | None = None
+    smarthost: SmarthostSettings | None = Field(
+        None, description="relay everything through this host instead of MX lookup"
+    )
 
 
-class RetrySettings(BaseModel):
+class RetrySettings(_Section):
     """Retry schedule (DESIGN.md §5; RFC 5321 §4.5.4.1)."""
 
     base_s: float = Field(300.0, gt=0, description="first retry delay, seconds")
-    factor: float = Field(2.0, ge=1.0)
-    max_delay_s: float = Field(4 * 3600.0, gt=0)
+    factor: float = Field(2.0, ge=1.0, description="delay multiplier per attempt")
+    max_delay_s: float = Field(4 * 3600.0, gt=0, description="longest retry delay, seconds")
     max_age_s: float = Field(5 * 86400.0, gt=0, description="queue lifetime, seconds")
     bounce_max_age_s: float = Field(86400.0, gt=0, description="lifetime of DSNs, seconds")
-    max_attempts: int | None = Field(None, ge=1)
+    max_attempts: int | None = Field(None, ge=1, description="attempts before expiry; unlimited")
     jitter: float = Field(0.1, ge=0.0, le=0.5, description="± fraction of each delay")
 
 
-class DsnSettings(BaseModel):
+class DsnSettings(_Section):
     """Delivery status notifications (RFC 3464)."""
 
     reporting_mta: str = Field("localhost", description="Reporting-MTA name")
     postmaster: str | None = Field(None, description="copy of double bounces goes here")
     max_returned_size: int = Field(1_000_000, ge=0, description="RET=FULL limit, octets")
     delay_warning_after_s: float | None = Field(None, gt=0, description="off when unset")
-    delay_warning_interval_s: float = Field(86400.0, gt=0)
+    delay_warning_interval_s: float = Field(
+        86400.0, gt=0, description="between repeated delay warnings, seconds"
+    )
 
 
-class HttpSettings(BaseModel):
+class ReconcilerSettings(_Section):
+    """The periodic consistency sweep (:mod:`jsqueue.reconciler`); one runs at a time."""
+
+    enabled: bool = Field(True, description="run the reconciler in `up` and `worker`")
+    interval_s: float = Field(60.0, gt=0, description="pause between passes, seconds")
+    lost_trigger_after_s: float = Field(
+        300.0, gt=0, description="an open recipient this overdue without a work item is re-queued"
+    )
+    orphan_after_s: float = Field(
+        3600.0, gt=0, description="a body (or entry) without its other half is removed after"
+    )
+    dsn_retention_s: float = Field(
+        3 * 86400.0, gt=0, description="final DSN entries are kept this long, seconds"
+    )
+    full_scan_every: int = Field(
+        10, ge=1, description="every n-th pass reads every entry, not only trigger-less ones"
+    )
+    lock_ttl_s: float = Field(
+        120.0, ge=3, description="the reconciler lock expires this long after its last renewal"
+    )
+
+
+class HttpSettings(_Section):
     """Metrics and health endpoints."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(9125, ge=0, le=65535)
-    enabled: bool = True
+    host: str = Field("127.0.0.1", description="listen address of /metrics, /healthz, /readyz")
+    port: int = Field(9125, ge=0, le=65535, description="listen port (0 = any)")
+    enabled: bool = Field(True, description="serve the HTTP endpoint")
+    probe_interval_s: float = Field(
+        5.0, gt=0, description="NATS probe (readiness, backlog gauge) interval, seconds"
+    )
+    queue_depth_interval_s: float = Field(
+        300.0, ge=0, description="queue depth scan interval (reads every entry), seconds; 0 = off"
+    )
 
 
-class LogSettings(BaseModel):
+class LogSettings(_Section):
     """Logging."""
 
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    json_format: bool = False
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    json_format: bool = Field(False, description="one JSON object per line instead of text")
 
 
 class Settings(BaseSettings):
@@ -183,6 +244,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     dsn: DsnSettings = Field(default_factory=DsnSettings)
+    reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
@@ -226,11 +288,144 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         if not config_file.is_file():
             raise ConfigError(f"config file {config_file}: not found")
         os.environ[CONFIG_ENV] = str(config_file)
+    elif os.environ.get(CONFIG_ENV) and not Path(os.environ[CONFIG_ENV]).is_file():
+        raise ConfigError(f"config file {os.environ[CONFIG_ENV]} (${CONFIG_ENV}): not found")
     try:
         return Settings(**overrides)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(f"{where}: {err['msg']}") from None
+        raise ConfigError(_one_line(f"{where}: {err['msg']}")) from None
+    except SettingsError as e:
+        raise ConfigError(_one_line(_env_error(e))) from None
     except (tomllib.TOMLDecodeError, OSError) as e:
-        raise ConfigError(f"config file {os.environ.get(CONFIG_ENV)}: {e}") from None
+        raise ConfigError(_one_line(f"config file {os.environ.get(CONFIG_ENV)}: {e}")) from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _env_error(e: SettingsError) -> str:
+    """``nats (JSQUEUE_NATS__URLS): ...`` for a value pydantic-settings could not parse."""
+    match = re.search(r'field "([^"]+)"', str(e))
+    field = match[1] if match else "settings"
+    prefix = f"JSQUEUE_{field.upper()}"
+    names = sorted(
+        k for k in os.environ if k.upper() == prefix or k.upper().startswith(prefix + "__")
+    )
+    cause = e.__cause__ or e.__context__
+    reason = f"not valid JSON ({cause})" if isinstance(cause, ValueError) else str(e)
+    return f"{field} ({', '.join(names) or 'environment'}): {reason}"
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _type_text(info: FieldInfo) -> str:
+    text = str(info.annotation).replace("typing.", "").replace("pathlib.", "")
+    text = re.sub(r"<(?:class|enum) '([^']+)'>", r"\1", text)
+    text = re.sub(r"\b(?:[a-z_]\w*\.)+([A-Z]\w*)", r"\1", text)  # module paths of classes
+    annotation = info.annotation
+    if isinstance(annotation, type) and issubclass(annotation, StrEnum):
+        return " / ".join(f"`{m.value}`" for m in annotation)
+    return text.replace("NoneType", "None")
+
+
+def _default_text(info: FieldInfo) -> str:
+    if info.is_required():
+        return "required"
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if isinstance(value, StrEnum):
+        return f"`{value.value}`"
+    if isinstance(value, Path):
+        return f"`{value}`"
+    if isinstance(value, list):
+        return "`" + json.dumps([str(v) for v in value]) + "`"
+    return f"`{json.dumps(value)}`"
+
+
+def _unit(name: str, description: str) -> str:
+    if name.endswith("_s"):
+        return "seconds"
+    if "octets" in description or name.endswith("_bytes"):
+        return "octets"
+    return ""
+
+
+def _model_of(info: FieldInfo) -> type[BaseModel] | None:
+    args = getattr(info.annotation, "__args__", None) or (info.annotation,)
+    for arg in args:
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def setting_paths(model: type[BaseModel] = Settings, prefix: str = "") -> list[str]:
+    """Every setting's dotted path (``worker.smarthost.host`` ...), sections excluded."""
+    paths: list[str] = []
+    for name, info in model.model_fields.items():
+        sub = _model_of(info)
+        if sub is not None:
+            paths.extend(setting_paths(sub, f"{prefix}{name}."))
+        else:
+            paths.append(prefix + name)
+    return paths
+
+
+def settings_reference() -> str:
+    """The settings reference (Markdown) generated from :class:`Settings`: every setting's
+    path, environment variable, type, default, unit and meaning. ``python -m jsqueue.config``
+    prints it (``docs/configuration.md``)."""
+    out = [
+        "# Configuration",
+        "",
+        "<!-- generated by `python -m jsqueue.config > docs/configuration.md`; do not edit -->",
+        "",
+        "Settings come from, in order of precedence: the environment (`JSQUEUE_` + section +",
+        "`__` + name, upper case, e.g. `JSQUEUE_WORKER__MX_PORT=2526`; lists and tables as",
+        "JSON, e.g. `JSQUEUE_NATS__URLS='[\"nats://a:4222\"]'`), then a TOML file (`--config",
+        "FILE` or `$JSQUEUE_CONFIG`, sections as tables: `[worker]` / `mx_port = 2526`), then",
+        "the defaults below. Durations are seconds (names end in `_s`), sizes octets.",
+        "Secrets (`SecretStr`) are never printed: `jsqueue config show` masks them.",
+        "",
+        "An invalid value stops every command with one line naming the setting and the",
+        "reason, and exit code 2, e.g. `jsqueue: invalid configuration: worker.mx_port: Input",
+        "should be less than or equal to 65535`.",
+    ]
+
+    def section(model: type[BaseModel], path: str) -> None:
+        doc = (model.__doc__ or "").strip().split("\n")[0]
+        out.extend(["", f"## `{path}`", "", doc, ""])
+        out.append("| setting | environment | type | default | unit | meaning |")
+        out.append("|---|---|---|---|---|---|")
+        subs: list[tuple[type[BaseModel], str]] = []
+        for name, info in model.model_fields.items():
+            full = f"{path}.{name}"
+            sub = _model_of(info)
+            if sub is not None:
+                subs.append((sub, full))
+            env = "JSQUEUE_" + full.upper().replace(".", "__")
+            desc = (info.description or "").replace("|", "\\|")
+            if sub is not None:
+                desc = f"{desc} (section `{full}` below)".strip()
+            out.append(
+                f"| `{full}` | `{env}` | {_type_text(info).replace('|', 'or')} | "
+                f"{_default_text(info)} | {_unit(name, desc)} | {desc} |"
+            )
+        for sub, full in subs:
+            section(sub, full)
+
+    for name, info in Settings.model_fields.items():
+        sub = _model_of(info)
+        assert sub is not None
+        section(sub, name)
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_reference(), end="")

@@ -20,6 +20,10 @@ appends to a bounded buffer; a background task publishes from it. When the buffe
 the event is dropped; when a publish fails it is not retried. Both are logged (rate
 limited) and counted (``dropped``, ``failed``), and the counts are exported as metrics.
 Events are therefore a best-effort record, not the source of truth (KV is, DESIGN.md §2.2).
+
+The front end and the worker import this module for the model and the Protocol only; the
+NATS client is imported by the JetStream parts when they run (pure layers know nothing of
+NATS, STYLE.md).
 """
 
 from __future__ import annotations
@@ -30,21 +34,20 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.js import api
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jsqueue.config import NatsSettings
 from jsqueue.envelope import Entry, Recipient, RecipientState, Reply, UTCDateTime, utcnow
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names
-from jsqueue.store.jetstream import connect_nats
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 log = logging.getLogger("jsqueue.events")
 
@@ -289,6 +292,7 @@ class JetStreamPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
+        self._in_flight = 0
         self._task: asyncio.Task[None] | None = None
         self._warn_drop = _Throttle()
         self._warn_fail = _Throttle()
@@ -296,7 +300,7 @@ class JetStreamPublisher:
     @property
     def pending(self) -> int:
         """Events buffered or being published right now."""
-        return len(self._buffer) + (0 if self._idle.is_set() else 1)
+        return len(self._buffer) + self._in_flight
 
     def emit(self, event: Event) -> None:
         """Buffer ``event`` for publishing. Never blocks, never raises."""
@@ -355,9 +359,13 @@ class JetStreamPublisher:
                 await self._wake.wait()
                 continue
             batch = [self._buffer.popleft() for _ in range(min(PUBLISH_WINDOW, len(self._buffer)))]
-            results = await asyncio.gather(
-                *(self._publish(e) for e in batch), return_exceptions=True
-            )
+            self._in_flight = len(batch)
+            try:
+                results = await asyncio.gather(
+                    *(self._publish(e) for e in batch), return_exceptions=True
+                )
+            finally:
+                self._in_flight = 0
             for event, result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):
                     self.failed += 1
@@ -391,6 +399,10 @@ async def open_publisher(
     Raises:
         StoreUnavailable: NATS unreachable within the connect timeout.
     """
+    import nats.errors
+
+    from jsqueue.store.jetstream import connect_nats
+
     names = names or Names(settings.prefix)
     nc = await connect_nats(settings, urls)
     publisher = JetStreamPublisher(nc, names, timeout_s=settings.request_timeout_s)
@@ -412,7 +424,7 @@ async def tail(
     since: datetime | None = None,
     from_start: bool = False,
     ready: asyncio.Event | None = None,
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Follow the events stream (an ordered, ephemeral consumer: nothing is acked or kept).
 
     Args:
@@ -432,6 +444,11 @@ async def tail(
     Raises:
         StoreUnavailable: NATS unreachable, or the events stream does not exist.
     """
+    import nats.errors
+    from nats.js import api
+
+    from jsqueue.store.jetstream import connect_nats
+
     names = names or Names(settings.prefix)
     wanted = {k.value for k in kinds}
     config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW)

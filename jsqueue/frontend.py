@@ -76,8 +76,9 @@ from typing import Any, Literal
 from aiosmtpd.smtp import SMTP, Envelope, syntax
 
 from jsqueue.config import SmtpSettings
-from jsqueue.envelope import Entry, Recipient, utcnow
-from jsqueue.errors import ConfigError, EntryNotFound, JsqueueError
+from jsqueue.envelope import Entry, Recipient, routing_domain, utcnow
+from jsqueue.errors import ConfigError, EntryNotFound, InvalidName, JsqueueError
+from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.frontend_auth import UserDB
 from jsqueue.frontend_data import DataDecoder
 from jsqueue.frontend_syntax import (
@@ -260,8 +261,8 @@ def received_header(
         when: arrival time (aware).
 
     Returns:
-        the folded field with CRLF line ends, UTF-8 encoded (only a SMTPUTF8 recipient can
-        make it non-ASCII).
+        the folded field with CRLF line ends, UTF-8 encoded (only a UTF-8 local part in the
+        ``for`` clause can make it non-ASCII; that recipient needs SMTPUTF8 anyway).
     """
     literal = _ip_literal(client_ip)
     if helo and _is_helo_name(helo):
@@ -273,7 +274,12 @@ def received_header(
         lines.append(f"\t({_sanitize_comment(tls)})")
     lines.append(f"\tby {hostname} (jsqueue) with {protocol} id {queue_id}")
     if recipient is not None:
-        lines.append(f"\tfor <{recipient}>")
+        # The domain as its A-label: an ASCII forward-path at a U-label domain must not make
+        # the header section UTF-8 (it would then need SMTPUTF8 downstream, RFC 6531 §3.7.3).
+        local, _, domain = recipient.rpartition("@")
+        with contextlib.suppress(InvalidName):
+            domain = routing_domain(recipient) if not domain.startswith("[") else domain
+        lines.append(f"\tfor <{local}@{domain}>")
     lines[-1] += ";"
     lines.append(f"\t{format_datetime(when)}")
     return ("\r\n".join(lines) + "\r\n").encode("utf-8", "surrogateescape")
@@ -877,9 +883,12 @@ class _Session(SMTP):
 class _Ingest:
     """Commits a received message to the stores (module docstring, steps 1-4)."""
 
-    def __init__(self, settings: SmtpSettings, stores: Stores) -> None:
+    def __init__(
+        self, settings: SmtpSettings, stores: Stores, observer: Observer = NULL_OBSERVER
+    ) -> None:
         self._settings = settings
         self._stores = stores
+        self._observer = observer
         self._log: IngestLog | None = stores.ingest if settings.dedupe_window_s > 0 else None
 
     async def _earlier_copy(self, key: str) -> str | None:
@@ -973,6 +982,7 @@ class _Ingest:
             len(txn.recipients),
             info.size,
         )
+        self._observer.emit(received_event(entry))
         return f"{R250_QUEUED} {queue_id}"
 
     async def _record(self, key: str, queue_id: str) -> None:
@@ -1006,10 +1016,13 @@ class SmtpServer:
     Use :func:`serve_smtp`, or ``async with SmtpServer(settings, stores):``.
     """
 
-    def __init__(self, settings: SmtpSettings, stores: Stores) -> None:
+    def __init__(
+        self, settings: SmtpSettings, stores: Stores, observer: Observer = NULL_OBSERVER
+    ) -> None:
         """Args:
         settings: the ``smtp`` settings section.
         stores: where messages go (JetStream or memory).
+        observer: receives a ``received`` event per message queued (jsqueue.events).
 
         Raises:
             ConfigError: unusable TLS files, ``require_tls`` without them, or a bad auth file.
@@ -1020,7 +1033,7 @@ class SmtpServer:
         if settings.require_tls and self.tls_context is None:
             raise ConfigError("smtp.require_tls needs smtp.tls_cert and smtp.tls_key")
         self.users = UserDB.load(settings.auth_file) if settings.auth_file else None
-        self.ingest = _Ingest(settings, stores)
+        self.ingest = _Ingest(settings, stores, observer)
         self.draining = False
         self._server: asyncio.Server | None = None
         self._sessions: set[_Session] = set()
@@ -1128,13 +1141,16 @@ class SmtpServer:
         await self.stop()
 
 
-async def serve_smtp(settings: SmtpSettings, stores: Stores) -> SmtpServer:
+async def serve_smtp(
+    settings: SmtpSettings, stores: Stores, observer: Observer = NULL_OBSERVER
+) -> SmtpServer:
     """Start the SMTP front end on the running event loop.
 
     Args:
         settings: the ``smtp`` settings section (listen address, limits, TLS, AUTH, relay
             networks, dedupe window, store timeout).
         stores: body store, entry store, scheduler and (optionally) ingest log.
+        observer: receives a ``received`` event per message queued.
 
     Returns:
         the started server; ``await server.stop()`` to shut it down.
@@ -1143,6 +1159,6 @@ async def serve_smtp(settings: SmtpSettings, stores: Stores) -> SmtpServer:
         ConfigError: bad TLS or auth file settings.
         OSError: the listen address cannot be bound.
     """
-    server = SmtpServer(settings, stores)
+    server = SmtpServer(settings, stores, observer)
     await server.start()
     return server

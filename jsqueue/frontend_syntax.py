@@ -252,17 +252,7 @@ def xtext_decode(value: str) -> str:
     Raises:
         ValueError: not valid xtext, or the octets are not UTF-8.
     """
-    check_xtext(value)
-    out = bytearray()
-    i = 0
-    while i < len(value):
-        if value[i] == "+":
-            out.append(int(value[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            out += value[i].encode()
-            i += 1
-    return out.decode("utf-8")
+    return _xtext_decode_mixed(check_xtext(value))
 
 
 def xtext_encode(value: str) -> str:

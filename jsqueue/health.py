@@ -12,14 +12,20 @@ event loop as the queue; nothing here touches NATS (the probe does, on its own s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jsqueue.config import HttpSettings
-from jsqueue.metrics import Metrics
+from jsqueue.config import HttpSettings, Settings
+from jsqueue.events import Fanout, Observer, open_publisher
+from jsqueue.metrics import Metrics, QueueProbe
+from jsqueue.store.base import Stores
 
 log = logging.getLogger("jsqueue.health")
 
@@ -33,6 +39,7 @@ class Health:
 
     def __init__(self) -> None:
         self._ready: dict[str, bool] = {}
+        self._stopping = False
 
     def require(self, *components: str) -> None:
         """Register components, not ready yet. Idempotent for known components."""
@@ -48,10 +55,15 @@ class Health:
         """A copy of every component's readiness."""
         return dict(self._ready)
 
+    def stopping(self) -> None:
+        """The process is shutting down: not ready from now on, whatever the components say."""
+        self._stopping = True
+
     @property
     def ready(self) -> bool:
-        """True when at least one component is registered and all are ready."""
-        return bool(self._ready) and all(self._ready.values())
+        """True when at least one component is registered, all are ready, and the process is
+        not shutting down."""
+        return not self._stopping and bool(self._ready) and all(self._ready.values())
 
 
 class HttpServer:
@@ -118,7 +130,8 @@ class HttpServer:
 
     async def _readyz(self, request: web.Request) -> web.Response:
         ready = self.health.ready
-        body = json.dumps({"ready": ready, "components": self.health.components})
+        components = self.health.components
+        body = json.dumps({"ready": ready, "components": components})
         return web.Response(
             text=body + "\n", status=200 if ready else 503, content_type="application/json"
         )
@@ -133,3 +146,66 @@ async def serve_http(settings: HttpSettings, metrics: Metrics, health: Health) -
     server = HttpServer(settings, metrics, health)
     await server.start()
     return server
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """What :func:`telemetry` wires up for one process.
+
+    Attributes:
+        observer: hand it to the front end and workers (events stream + metrics).
+        metrics: the process's registry.
+        health: mark components ready (``smtp``, ``worker``); ``nats`` is kept by the probe.
+        http: the running HTTP endpoint, None when ``http.enabled`` is off.
+    """
+
+    observer: Observer
+    metrics: Metrics
+    health: Health
+    http: HttpServer | None
+
+
+@contextlib.asynccontextmanager
+async def telemetry(
+    settings: Settings, stores: Stores, urls: list[str]
+) -> AsyncIterator[Telemetry]:
+    """Events publisher, metrics, NATS probe and HTTP endpoint for one process.
+
+    On exit: not ready, probe stopped, HTTP endpoint closed, buffered events published
+    (bounded by ``nats.request_timeout_s``), events connection closed.
+
+    Raises:
+        StoreUnavailable: NATS unreachable (the events connection).
+        OSError: the HTTP listen address cannot be bound.
+    """
+    metrics = Metrics()
+    health = Health()
+    async with (
+        open_publisher(settings.nats, urls) as publisher,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        metrics.watch_publisher(publisher)
+        http: HttpServer | None = None
+        if settings.http.enabled:
+            health.require("nats")
+            probe = QueueProbe(
+                stores,
+                metrics,
+                probe_interval_s=settings.http.probe_interval_s,
+                depth_interval_s=settings.http.queue_depth_interval_s,
+                on_health=lambda ok: health.set("nats", ok),
+            )
+            stop_probe = asyncio.Event()
+            probe_task = asyncio.create_task(probe.run(stop_probe), name="jsqueue-probe")
+
+            async def end_probe() -> None:
+                stop_probe.set()
+                await probe_task
+
+            stack.push_async_callback(end_probe)
+            http = await serve_http(settings.http, metrics, health)
+            stack.push_async_callback(http.stop)
+        try:
+            yield Telemetry(Fanout(publisher, metrics), metrics, health, http)
+        finally:
+            health.stopping()

@@ -8,10 +8,10 @@ own schedule, never per scrape. ``jsqueue.health`` serves the registry on ``/met
 
 Metrics (names carry their unit; counters end in ``_total``):
 
-=========================================  =========  ===============================================
+=========================================  =========  ==============================================
 name                                       type       meaning
-=========================================  =========  ===============================================
-jsqueue_messages_accepted_total            counter    messages the front end stored and answered 250
+=========================================  =========  ==============================================
+jsqueue_messages_accepted_total            counter    messages stored and answered 250
 jsqueue_accepted_bytes_total               counter    octets of those messages
 jsqueue_accepted_recipients_total          counter    recipients of those messages
 jsqueue_delivery_attempts_total{outcome}   counter    recipient delivery attempts by outcome
@@ -27,7 +27,7 @@ jsqueue_queue_scan_timestamp_seconds       gauge      Unix time of the last dept
 jsqueue_work_backlog_items                 gauge      work items scheduled and not settled (due,
                                                       deferred, in flight): Scheduler.backlog()
 jsqueue_nats_connected                     gauge      1 when the last NATS probe succeeded, else 0
-=========================================  =========  ===============================================
+=========================================  =========  ==============================================
 """
 
 from __future__ import annotations
@@ -110,7 +110,10 @@ class Metrics:
             registry=r,
         )
         self.state_changes = Counter(
-            "jsqueue_state_changes", "Events emitted by this process, by kind.", ["kind"], registry=r
+            "jsqueue_state_changes",
+            "Events emitted by this process, by kind.",
+            ["kind"],
+            registry=r,
         )
         self.queue_entries = Gauge(
             "jsqueue_queue_entries", "Queue entries by derived state.", ["state"], registry=r
@@ -185,7 +188,7 @@ class QueueProbe:
         metrics: Metrics,
         *,
         probe_interval_s: float = 5.0,
-        depth_interval_s: float = 60.0,
+        depth_interval_s: float = 300.0,
         timeout_s: float = 30.0,
         on_health: Callable[[bool], None] | None = None,
     ) -> None:

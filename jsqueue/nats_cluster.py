@@ -29,10 +29,12 @@ import socket
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
 
+from jsqueue.config import NatsSettings
 from jsqueue.errors import JsqueueError
 from jsqueue.nats_server import EmbeddedNats
 
@@ -65,7 +67,8 @@ listen: {host}:{client_port}
 max_payload: 1MB
 
 jetstream {{
-{store_dir_line}  # fsync every write before it is acknowledged. Replication puts each write on a quorum
+{store_dir_line}
+  # fsync every write before it is acknowledged. Replication puts each write on a quorum
   # (2 of 3) before the ack, but nodes sharing one machine share its power supply and
   # kernel: without the fsync a power loss could take acknowledged writes from all of them
   # (DESIGN.md §2.1). Nodes on separate machines in separate failure domains may trade
@@ -122,9 +125,9 @@ def cluster_config(
         cluster_port=cluster_ports[node - 1],
         cluster_name=CLUSTER_NAME,
         store_dir_line=(
-            f'  store_dir: "{store_dir.as_posix()}"\n'
+            f'  store_dir: "{store_dir.as_posix()}"'
             if store_dir is not None
-            else "  # store_dir: given on the command line (-sd)\n"
+            else "  # store_dir: given on the command line (-sd)"
         ),
         routes=routes,
     )
@@ -281,18 +284,24 @@ class EmbeddedCluster:
                 log.warning("cluster start failed (%s); retrying with other ports", e)
 
     async def wait_for_jetstream(self, timeout_s: float | None = None) -> None:
-        """Wait until every running node answers JetStream API requests (meta leader known).
+        """Wait until every running node answers JetStream API requests (meta leader known)
+        and every existing stream has a leader (after a restart each stream elects its own).
 
         Args:
             timeout_s: bound in seconds; ``ready_timeout_s`` when None.
 
         Raises:
-            JsqueueError: some running node still had no JetStream meta leader in time.
+            JsqueueError: no meta leader, or a stream without leader, within the bound.
         """
         deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
-        for node in self.nodes:
-            if node.running:
-                await _wait_js_ready(node.url, deadline)
+        running = [n for n in self.nodes if n.running]
+        for node in running:
+            await _wait_js_ready(node.url, deadline)
+        if not running:
+            return
+        names = await self._ask("STREAM.NAMES", deadline - time.monotonic(), "stream names")
+        for stream in names.get("streams") or []:
+            await self.stream_leader(stream, max(0.1, deadline - time.monotonic()))
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every node gracefully (SIGTERM), all at once. Idempotent.
@@ -318,7 +327,42 @@ class EmbeddedCluster:
         info = await self._ask(f"STREAM.INFO.{stream}", timeout_s, "leader of " + stream)
         return str(info["cluster"]["leader"])
 
-    async def _ask(self, api: str, timeout_s: float, what: str) -> dict[str, object]:
+    async def consumer_leader(self, stream: str, consumer: str, timeout_s: float = 10.0) -> str:
+        """Server name of the current leader of a stream's consumer.
+
+        Raises:
+            JsqueueError: no leader known within ``timeout_s`` seconds.
+        """
+        what = f"leader of {stream}/{consumer}"
+        info = await self._ask(f"CONSUMER.INFO.{stream}.{consumer}", timeout_s, what)
+        return str(info["cluster"]["leader"])
+
+    async def move_leader(
+        self, stream: str, to: str, *, consumer: str | None = None, timeout_s: float = 30.0
+    ) -> None:
+        """Make node ``to`` (server name) the leader of ``stream`` (or of its ``consumer``):
+        the current leader is asked to step down in favour of ``to`` until ``to`` leads.
+
+        Raises:
+            JsqueueError: ``to`` did not become the leader within ``timeout_s`` seconds.
+        """
+        kind = f"STREAM.%s.{stream}" if consumer is None else f"CONSUMER.%s.{stream}.{consumer}"
+        what = f"leader of {stream}" + (f"/{consumer}" if consumer else "")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = await self._ask(kind % "INFO", deadline - time.monotonic(), what)
+            leader = str(info["cluster"]["leader"])
+            if leader == to:
+                return
+            body = {"placement": {"preferred": to}}
+            with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
+                await _request(
+                    self.node(leader).url, f"$JS.API.{kind % 'LEADER.STEPDOWN'}", 5.0, body
+                )
+            await asyncio.sleep(0.2)
+        raise JsqueueError(f"{what}: {to} did not become the leader within {timeout_s:g} s")
+
+    async def _ask(self, api: str, timeout_s: float, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         last = "no node running"
         while time.monotonic() < deadline:
@@ -334,7 +378,7 @@ class EmbeddedCluster:
                     last = str(resp["error"])
                     continue
                 cluster = resp.get("cluster") or {}
-                if isinstance(cluster, dict) and cluster.get("leader"):
+                if "streams" in resp or (isinstance(cluster, dict) and cluster.get("leader")):
                     return resp
                 last = "no leader yet"
             await asyncio.sleep(0.1)
@@ -353,11 +397,16 @@ class EmbeddedCluster:
         await self.stop()
 
 
-async def _request(url: str, subject: str, timeout_s: float) -> dict[str, object]:
+async def _request(
+    url: str, subject: str, timeout_s: float, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
     nc = NATS()
-    await nc.connect(url, allow_reconnect=False, connect_timeout=timeout_s, max_reconnect_attempts=0)
+    await nc.connect(
+        url, allow_reconnect=False, connect_timeout=max(1, int(timeout_s)), max_reconnect_attempts=0
+    )
     try:
-        msg = await nc.request(subject, b"", timeout=timeout_s)
+        payload = json.dumps(body).encode() if body is not None else b""
+        msg = await nc.request(subject, payload, timeout=timeout_s)
     finally:
         with contextlib.suppress(nats.errors.Error, OSError):
             await nc.close()
@@ -381,3 +430,19 @@ async def _wait_js_ready(url: str, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise JsqueueError(f"nats-server {url}: JetStream not ready ({last})")
         await asyncio.sleep(0.1)
+
+
+def cluster_from_settings(settings: NatsSettings) -> EmbeddedCluster:
+    """The local cluster of ``jsqueue nats --cluster``: three nodes with client ports
+    ``nats.port`` and the next two (free ports when 0), route ports from
+    :data:`DEFAULT_CLUSTER_PORT`, stores under ``<nats.store_dir>/cluster``.
+
+    Raises:
+        JsqueueError: ``nats.port`` leaves no room for three ports.
+    """
+    return EmbeddedCluster(
+        settings.store_dir / "cluster",
+        3,
+        client_port=settings.port,
+        cluster_port=DEFAULT_CLUSTER_PORT if settings.port else 0,
+    )

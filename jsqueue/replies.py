@@ -14,10 +14,8 @@ def _r(code: int, enhanced: str, text: str) -> Reply:
 
 
 # Front end (RFC 5321 §4.2.2, RFC 3463 §3)
-R250_OK = _r(250, "2.0.0", "OK")
 R250_SENDER_OK = _r(250, "2.1.0", "Sender OK")
 R250_RECIPIENT_OK = _r(250, "2.1.5", "Recipient OK")
-R221_BYE = _r(221, "2.0.0", "Bye")
 R451_LOCAL_ERROR = _r(451, "4.3.0", "Requested action aborted: local error in processing")
 R421_SHUTTING_DOWN = _r(421, "4.3.2", "Service shutting down, try again later")
 R421_TOO_MANY_SESSIONS = _r(421, "4.7.0", "Too many connections, try again later")
@@ -30,10 +28,8 @@ R550_BARE_LINE_ENDING = _r(550, "5.6.11", "Bare CR or LF in message content is n
 R552_TOO_BIG = _r(552, "5.3.4", "Message size exceeds fixed maximum message size")
 R553_BAD_MAILBOX = _r(553, "5.1.3", "Mailbox name not allowed")
 R554_RELAY_DENIED = _r(554, "5.7.1", "Relay access denied")
-R530_AUTH_REQUIRED = _r(530, "5.7.0", "Authentication required")
 R535_AUTH_FAILED = _r(535, "5.7.8", "Authentication credentials invalid")
 R538_ENCRYPTION_REQUIRED = _r(538, "5.7.11", "Encryption required for requested authentication")
-R500_LINE_TOO_LONG = _r(500, "5.5.6", "Line too long")
 # Front end, continued (jsqueue/frontend.py)
 R250_QUEUED = _r(250, "2.0.0", "queued as")  # the queue id follows the text
 R235_AUTH_OK = _r(235, "2.7.0", "Authentication successful")
@@ -58,7 +54,6 @@ R451_CONNECT_FAILED = _r(451, "4.4.1", "No answer from any mail exchanger of the
 R451_CONNECTION_LOST = _r(451, "4.4.2", "Connection to the mail exchanger was lost")
 R451_PROTOCOL_ERROR = _r(451, "4.5.0", "Protocol error in the remote reply")
 R451_TLS_REQUIRED = _r(451, "4.7.5", "TLS required by policy but could not be established")
-R554_TLS_REQUIRED = _r(554, "5.7.10", "TLS required by policy but could not be established")
 R554_SIZE_EXCEEDED = _r(554, "5.3.4", "Message too big for the destination (SIZE)")
 R554_SMTPUTF8_REQUIRED = _r(554, "5.6.7", "Destination does not support SMTPUTF8 (RFC 6531)")
 R554_8BIT_UNSUPPORTED = _r(554, "5.6.3", "Destination does not support 8-bit content")
@@ -67,8 +62,6 @@ R451_TIMEOUT = _r(451, "4.4.2", "Timed out waiting for the mail exchanger")
 R451_AUTH_FAILED = _r(451, "4.7.8", "Authentication with the relay host failed")
 R451_BODY_UNAVAILABLE = _r(451, "4.3.0", "The message body could not be read; delivery aborted")
 R451_EXPIRED = _r(451, "4.4.7", "Message expired in the queue")
-R554_EXPIRED = _r(554, "5.4.7", "Delivery time expired")
-R554_ROUTING_LOOP = _r(554, "5.4.6", "Routing loop detected")
 
 # Operator actions (jsqueue/admin.py): a 5yz so the DSN reports a failure, not an expiry
 R550_BOUNCED_BY_POSTMASTER = _r(550, "5.7.1", "Message bounced by the postmaster")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 
 from jsqueue.bounce import DsnNotifier
@@ -17,8 +17,12 @@ from jsqueue.config import Settings, WorkerSettings
 from jsqueue.delivery import BodySource, DeliveryEnvelope, Resolver, deliver_domain
 from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
 from jsqueue.envelope import Entry, Recipient, Reply
+from jsqueue.errors import JsqueueError
+from jsqueue.events import NULL_OBSERVER, Observer
 from jsqueue.frontend import serve_smtp
+from jsqueue.health import telemetry
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.reconciler import open_reconciler
 from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Stores
 from jsqueue.store.cache import CachedBodyStore
@@ -66,8 +70,15 @@ def nats_urls(settings: Settings) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def embedded_nats(settings: Settings) -> AsyncIterator[list[str]]:
+async def embedded_nats(
+    settings: Settings, on_exit: Callable[[], None] | None = None
+) -> AsyncIterator[list[str]]:
     """Start the embedded nats-server unless NATS URLs are configured; yield the URLs.
+
+    Args:
+        settings: all settings (``nats.store_dir``, ``nats.port``, ``nats.config_file``).
+        on_exit: called once if the server process dies while in use (checked every
+            second), so the caller can shut down instead of running without its queue.
 
     Raises:
         JsqueueError: the binary is missing or the port is taken.
@@ -80,19 +91,36 @@ async def embedded_nats(settings: Settings) -> AsyncIterator[list[str]]:
     )
     await server.start()
     log.info("embedded nats-server on %s (store %s)", server.url, settings.nats.store_dir)
+
+    async def watch() -> None:
+        # The child is a Popen; polling it once a second is the cheapest watch.
+        while server.running:  # noqa: ASYNC110
+            await asyncio.sleep(1.0)
+        log.error("embedded nats-server (pid %s) exited unexpectedly", server.pid)
+        if on_exit is not None:
+            on_exit()
+
+    watcher = asyncio.create_task(watch())
     try:
         yield [server.url]
     finally:
+        watcher.cancel()
         await server.stop()
 
 
-def build_worker(settings: Settings, stores: Stores, resolver: Resolver | None = None) -> Worker:
+def build_worker(
+    settings: Settings,
+    stores: Stores,
+    resolver: Resolver | None = None,
+    observer: Observer = NULL_OBSERVER,
+) -> Worker:
     """A worker over ``stores`` with a bounded body cache, DSNs and the retry policies.
 
     Args:
         settings: all settings.
         stores: the queue's stores.
         resolver: MX resolution; from ``settings.worker`` when None.
+        observer: receives the worker's events (events stream, metrics).
     """
     cached = replace(
         stores,
@@ -111,6 +139,7 @@ def build_worker(settings: Settings, stores: Stores, resolver: Resolver | None =
         policy,
         RetryPolicy.from_settings(settings.retry, dsn=True),
         ack_wait_s=settings.nats.ack_wait_s,
+        observer=observer,
     )
 
 
@@ -128,29 +157,47 @@ async def run_services(
         settings: all settings.
         stop: set to shut down (front end stops accepting, worker drains).
         smtp: run the SMTP front end.
-        worker: run a delivery worker.
+        worker: run a delivery worker, and the reconciler (:mod:`jsqueue.reconciler`;
+            one pass at a time cluster-wide) unless ``reconciler.enabled`` is false.
         embedded: start the embedded nats-server when no NATS URL is configured.
 
     Raises:
         StoreUnavailable: NATS unreachable at start.
         ConfigError, ProvisioningError, OSError (listen address taken).
     """
+    nats_died = False
+
+    def on_nats_exit() -> None:
+        nonlocal nats_died
+        nats_died = True
+        stop.set()
+
     async with contextlib.AsyncExitStack() as stack:
         if embedded:
-            urls = await stack.enter_async_context(embedded_nats(settings))
+            urls = await stack.enter_async_context(embedded_nats(settings, on_nats_exit))
         else:
             urls = nats_urls(settings)
         stores = await open_jetstream(settings.nats, urls)
         stack.push_async_callback(stores.close)
+        tel = await stack.enter_async_context(telemetry(settings, stores, urls))
         tasks: list[asyncio.Task[None]] = []
         if smtp:
-            server = await serve_smtp(settings.smtp, stores)
+            server = await serve_smtp(settings.smtp, stores, tel.observer)
             stack.push_async_callback(server.stop)
+            tel.health.set("smtp", True)
         if worker:
-            w = build_worker(settings, stores)
+            w = build_worker(settings, stores, observer=tel.observer)
             tasks.append(asyncio.create_task(w.run(stop)))
+            tel.health.set("worker", True)
+        if worker and settings.reconciler.enabled:
+            reconciler = await open_reconciler(settings, urls)
+            stack.push_async_callback(reconciler.close)
+            tasks.append(asyncio.create_task(reconciler.run(stop)))
         log.info("jsqueue running (smtp=%s, worker=%s)", smtp, worker)
         await stop.wait()
         log.info("jsqueue shutting down")
+        tel.health.stopping()
         if tasks:
             await asyncio.gather(*tasks)
+    if nats_died:
+        raise JsqueueError("the embedded nats-server died; stopped (start again to recover)")

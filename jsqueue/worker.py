@@ -215,8 +215,9 @@ class Worker:
             expired = state.expire_all(v.entry, item.domain, now, self._policy(v.entry))
             try:
                 if expired is not None:
+                    before = v.entry
                     v = Versioned(expired, await self.stores.entries.update(expired, v.revision))
-                    self._log_expired(v.entry, item.domain)
+                    self._log_expired(before, v.entry, item.domain)
                     await self._finish(v)
                     await due.ack()
                     return
@@ -240,8 +241,12 @@ class Worker:
             )
         finally:
             heartbeat.cancel()
-        for _ in range(CAS_TRIES):
-            v = await self._get(item.queue_id)
+        # First try on the claimed version (no re-read): a change since the claim fails
+        # the compare-and-set, and only then is the entry read again.
+        v: Versioned | None = claimed
+        for attempt in range(CAS_TRIES):
+            if attempt:
+                v = await self._get(item.queue_id)
             if v is None:
                 log.info("queue %s: deleted during delivery", item.queue_id)
                 await due.ack()
@@ -349,9 +354,10 @@ class Worker:
         ):
             self.observer.emit(event)
 
-    def _log_expired(self, entry: Entry, domain: str) -> None:
+    def _log_expired(self, before: Entry, entry: Entry, domain: str) -> None:
+        was_open = {r.address for r in before.open_recipients(domain)}
         for r in entry.recipients:
-            if r.domain == domain and r.state.is_final and not r.dsn_sent:
+            if r.address in was_open and r.state.is_final:
                 log.info(
                     "queue=%s to=<%s> outcome=expired",
                     entry.id,

@@ -373,3 +373,32 @@ async def test_size_limit_case26a(queue_harness: Harness) -> None:
     _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
     assert groups[0]["Status"] == "5.3.4"
     assert small.connections == 1, "no retry"
+
+
+async def test_smtputf8_case23(queue_harness: Harness) -> None:
+    """CASE-23 through the whole queue (RFC 6531 §3.5): A) an ASCII local part at a U-label
+    domain reaches the legacy MX as the A-label with no SMTPUTF8 (our Received: field stays
+    ASCII); B) a UTF-8 local part is never sent to the legacy MX: 5.6.7 DSN, no retry;
+    C) the SMTPUTF8 MX gets MAIL ... SMTPUTF8 and the UTF-8 local part unchanged."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-23", "dns.txt") + SENDER_ZONE)
+    async with (
+        SmtpdMx("127.0.2.190", h.mx_port) as legacy,
+        SmtpdMx("127.0.2.191", h.mx_port, smtputf8=True) as intl,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        message = case_message("CASE-23")
+        a = await h.submit(message, ["user@bücher.example.test"], mail_options=["SMTPUTF8"])
+        b = await h.submit(message, ["müller@dest.example.test"], mail_options=["SMTPUTF8"])
+        c = await h.submit(message, ["müller@intl.example.test"], mail_options=["SMTPUTF8"])
+        async with h.running():
+            for qid in (a, b, c):
+                await eventually(lambda q=qid: gone(h, q), what=f"{qid} final")
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="DSN for B")
+    assert [t.rcpt_to for t in legacy.delivered] == [["user@xn--bcher-kva.example.test"]]
+    assert "SMTPUTF8" not in legacy.delivered[0].mail_params
+    assert all(c.isascii() for s in legacy.sessions for c in "".join(s.commands))
+    assert [t.rcpt_to for t in intl.delivered] == [["müller@intl.example.test"]]
+    assert "SMTPUTF8" in intl.delivered[0].mail_params
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert groups[0]["Status"] == "5.6.7"

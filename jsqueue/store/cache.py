@@ -29,18 +29,21 @@ log = logging.getLogger(__name__)
 
 #: Chunk size when serving a cached file, octets.
 READ_CHUNK = 256 * 1024
+#: Bodies up to this size are written and read on the event loop: a page-cache copy of a
+#: few KiB costs less than the hand-over to a thread. Larger ones go through a thread.
+INLINE_IO_MAX = 1024 * 1024
 _SUFFIX = ".body"
 
 
 class CachedBodyStore:
     """:class:`~jsqueue.store.base.BodyStore` that caches bodies read through it on disk.
 
-    - :meth:`open` of a body not cached: size and digest from the inner store's
-      :meth:`~BodyStore.info`; a body larger than ``max_bytes`` is streamed straight
-      through. Otherwise it is downloaded into a temporary file (concurrent opens of the
-      same id wait for one download), least recently used files are evicted until the new
-      one fits, and the file is served. A download the inner store reports as corrupt
-      raises :class:`BodyCorrupt` and caches nothing.
+    - :meth:`open` of a body not cached: it is downloaded into a temporary file
+      (concurrent opens of the same id wait for one download), least recently used files
+      are evicted until the new one fits, and the file is served. A body that turns out
+      larger than ``max_bytes`` is dropped from the download and streamed straight
+      through instead. A download the inner store reports as corrupt raises
+      :class:`BodyCorrupt` and caches nothing.
     - :meth:`open` of a cached body: served from the file in ``READ_CHUNK`` chunks, the
       SHA-256 recomputed; a mismatch raises :class:`BodyCorrupt` before the last chunk is
       yielded and evicts the file, so the next open downloads again.
@@ -133,9 +136,7 @@ class CachedBodyStore:
                 self.hits += 1
             else:
                 self.misses += 1
-                info = await self.inner.info(queue_id)
-                if info.size <= self.max_bytes:
-                    await self._download(queue_id, info.size)
+                await self._download(queue_id)
         if not lock.locked():
             # A racing opener may then download again; harmless, and keeps the dict small.
             self._locks.pop(queue_id, None)
@@ -146,7 +147,10 @@ class CachedBodyStore:
         self._lru.move_to_end(queue_id)
         size, digest = self._lru[queue_id]
         try:
-            f = await asyncio.to_thread(self._path(queue_id).open, "rb")
+            if size <= INLINE_IO_MAX:
+                f = self._path(queue_id).open("rb")
+            else:
+                f = await asyncio.to_thread(self._path(queue_id).open, "rb")
         except OSError as e:
             # Evicted meanwhile, or the disk failed: read from the inner store instead.
             log.info("body cache: %s; reading body %s from the store", e, queue_id)
@@ -173,9 +177,12 @@ class CachedBodyStore:
     ) -> AsyncGenerator[bytes, None]:
         h = hashlib.sha256()
         sent = 0
+        inline = size <= INLINE_IO_MAX
         while True:
             try:
-                chunk = await asyncio.to_thread(f.read, READ_CHUNK)
+                chunk = (
+                    f.read(READ_CHUNK) if inline else await asyncio.to_thread(f.read, READ_CHUNK)
+                )
             except OSError as e:
                 self._evict(queue_id)
                 raise StoreUnavailable(f"body cache: {e}") from e
@@ -190,18 +197,24 @@ class CachedBodyStore:
             if last:
                 return
 
-    async def _download(self, queue_id: str, expected_size: int) -> None:
+    async def _download(self, queue_id: str) -> None:
+        """Copy the body into the cache; leave it out when it is larger than ``max_bytes``."""
         tmp = self.directory / f"{queue_id}{_SUFFIX}.{os.getpid()}.part"
         h = hashlib.sha256()
         size = 0
         body = self.inner.open(queue_id)
         try:
-            f = await asyncio.to_thread(tmp.open, "wb")
+            f = tmp.open("wb")
             try:
                 async for chunk in body:
                     h.update(chunk)
                     size += len(chunk)
-                    await asyncio.to_thread(f.write, chunk)
+                    if size > self.max_bytes:
+                        break  # too big to cache: served straight from the store
+                    if size <= INLINE_IO_MAX:
+                        f.write(chunk)
+                    else:
+                        await asyncio.to_thread(f.write, chunk)
             finally:
                 f.close()
         except OSError as e:
@@ -212,7 +225,7 @@ class CachedBodyStore:
             raise
         finally:
             await body.aclose()
-        if size > self.max_bytes:  # replaced by a bigger body since info()
+        if size > self.max_bytes:
             tmp.unlink(missing_ok=True)
             return
         self._evict(queue_id)
@@ -220,10 +233,6 @@ class CachedBodyStore:
         os.replace(tmp, self._path(queue_id))
         self._lru[queue_id] = (size, h.hexdigest())
         self._used += size
-        if size != expected_size:
-            log.info(
-                "body %s: size changed while caching (%d != %d)", queue_id, size, expected_size
-            )
 
     async def close(self) -> None:
         """Forget every cached body; remove the directory if this cache created it."""

@@ -48,7 +48,7 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -110,6 +110,8 @@ RETRY_PAUSE_MAX_S = 1.0
 RECONNECT_WAIT_S = 0.5
 #: Concurrent direct gets when scanning the KV bucket.
 SCAN_BATCH = 64
+#: Bodies whose chunk-set nuid a body store remembers after opening them (for delete).
+OPENED_MEMORY = 4096
 
 _JS_API = "$JS.API"
 _HDR_MSG_ID = "Nats-Msg-Id"
@@ -521,6 +523,45 @@ async def open_jetstream(
     return Stores(bodies, entries, scheduler, close, ingest)
 
 
+async def queue_backlog(
+    settings: NatsSettings, urls: list[str] | None = None, *, names: Names | None = None
+) -> int:
+    """The health probe: read the work consumer without creating or changing anything.
+
+    Args:
+        settings: the ``nats`` settings section.
+        urls: server URLs; ``settings.urls`` when None.
+        names: object names; ``Names(settings.prefix)`` when None.
+
+    Returns:
+        the work backlog (consumer num_pending + num_ack_pending).
+
+    Raises:
+        ConfigError: no URL given.
+        StoreUnavailable: NATS unreachable or not answering.
+        ProvisioningError: the work stream or its consumer does not exist (the queue was
+            never set up on this NATS, or under another ``nats.prefix``).
+    """
+    names = names or Names(settings.prefix)
+    servers = list(urls or settings.urls)
+    if not servers:
+        raise ConfigError("nats.urls: no NATS server URL given")
+    nc = await connect_nats(settings, servers)
+    try:
+        js = nc.jetstream(timeout=settings.request_timeout_s)
+        with _translate("work consumer: info"):
+            try:
+                info = await js.consumer_info(names.work_stream, names.work_consumer)
+            except nats.js.errors.NotFoundError as e:
+                raise ProvisioningError(
+                    f"queue not set up on NATS: {names.work_stream}/{names.work_consumer} "
+                    "does not exist (start a worker or front end first, or check nats.prefix)"
+                ) from e
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    finally:
+        await _close(nc)
+
+
 async def _close(nc: NATS) -> None:
     """Flush what is buffered (acks, NAKs) with a server round trip, then close.
 
@@ -582,6 +623,9 @@ class JetStreamBodyStore:
         self._timeout_s = timeout_s
         self._chunk_size = chunk_size
         self._nuid = NUID()
+        # Chunk-set nuid of bodies this process opened lately: delete() of a body just
+        # delivered then needs no meta read (one round trip less per message).
+        self._opened: OrderedDict[str, str] = OrderedDict()
 
     def meta_subject(self, queue_id: str) -> str:
         """Subject of a body's meta message."""
@@ -625,6 +669,7 @@ class JetStreamBodyStore:
     async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
         """See :meth:`BodyStore.put`. Holds at most ``PUT_WINDOW`` chunks in memory."""
         check_queue_id(queue_id)
+        self._opened.pop(queue_id, None)
         nuid = self._nuid.next().decode()
         subject = self.chunk_subject(nuid)
         size = max(1, min(self._chunk_size, self._nc.max_payload or self._chunk_size))
@@ -652,8 +697,6 @@ class JetStreamBodyStore:
             if buf:
                 await self._send(subject, bytes(buf), pending)
                 count += 1
-            while pending:
-                await asyncio.wait_for(pending.popleft(), self._timeout_s)
             meta = {
                 "name": queue_id,
                 "bucket": self.bucket,
@@ -664,7 +707,17 @@ class JetStreamBodyStore:
                 "mtime": datetime.now(UTC).isoformat(),
                 "options": {"max_chunk_size": size},
             }
-            await self._put_meta(queue_id, meta)
+            # The meta goes out right behind the last chunks, before their acks are in: one
+            # connection, one stream, so it is stored after them (a round trip less per
+            # body). Should a chunk fail after all, a stored meta is taken back.
+            meta_put = asyncio.ensure_future(self._put_meta(queue_id, meta))
+            try:
+                while pending:
+                    await asyncio.wait_for(pending.popleft(), self._timeout_s)
+            except BaseException:
+                await self._withdraw_meta(queue_id, meta_put)
+                raise
+            await meta_put
         except _SourceFailed as e:
             # The caller's stream failed (client gone, size limit ...): its error, not ours.
             await self._discard(subject, pending)
@@ -709,6 +762,19 @@ class JetStreamBodyStore:
         if old is not None and old.get("nuid") != meta["nuid"]:
             await self.js.purge_stream(self.stream, subject=self.chunk_subject(old["nuid"]))
 
+    async def _withdraw_meta(self, queue_id: str, meta_put: asyncio.Future[None]) -> None:
+        """A chunk failed after the meta was sent: remove the meta if it was stored."""
+        try:
+            await meta_put
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return  # the meta was not stored either: nothing to take back
+        try:
+            await self.js.purge_stream(self.stream, subject=self.meta_subject(queue_id))
+        except _NatsFailure as e:
+            log.warning("could not remove the meta of failed body %s: %s", queue_id, _describe(e))
+
     async def _discard(self, subject: str, pending: deque[asyncio.Future[api.PubAck]]) -> None:
         for fut in pending:
             fut.cancel()
@@ -723,6 +789,10 @@ class JetStreamBodyStore:
         meta = await self.meta(queue_id)
         if meta is None:
             raise BodyNotFound(queue_id)
+        self._opened[queue_id] = meta["nuid"]
+        self._opened.move_to_end(queue_id)
+        if len(self._opened) > OPENED_MEMORY:
+            self._opened.popitem(last=False)
         expected = _hex_digest(meta.get("digest") or "")
         n_chunks = int(meta.get("chunks") or 0)
         size = int(meta.get("size") or 0)
@@ -763,12 +833,21 @@ class JetStreamBodyStore:
         return BodyInfo(size=int(meta.get("size") or 0), digest=_hex_digest(meta["digest"]))
 
     async def delete(self, queue_id: str) -> None:
-        """See :meth:`BodyStore.delete`. Chunks go first, so a retried delete finishes."""
+        """See :meth:`BodyStore.delete`. Chunks go first, so a retried delete finishes.
+
+        The chunk set is the one this process last opened under ``queue_id`` when it
+        remembers one, else the meta record is read. (Should another process have stored
+        the body anew in between, its chunks are left without meta, which the reconciler
+        purges.)
+        """
         check_queue_id(queue_id)
-        meta = await self.meta(queue_id)
+        nuid = self._opened.pop(queue_id, None)
+        if nuid is None:
+            meta = await self.meta(queue_id)
+            nuid = meta["nuid"] if meta is not None else None
         with _translate(f"body {queue_id}: delete"):
-            if meta is not None:
-                await self.js.purge_stream(self.stream, subject=self.chunk_subject(meta["nuid"]))
+            if nuid is not None:
+                await self.js.purge_stream(self.stream, subject=self.chunk_subject(nuid))
             await self.js.purge_stream(self.stream, subject=self.meta_subject(queue_id))
 
 
@@ -885,9 +964,18 @@ class JetStreamEntryStore:
         raise EntryExists(entry.id)
 
     async def get(self, queue_id: str) -> Versioned:
-        """See :meth:`EntryStore.get`."""
+        """See :meth:`EntryStore.get`.
+
+        "Not found" is confirmed on the stream leader: with replicas, a direct get may be
+        answered by a follower that has not applied the newest writes yet (a replica that
+        was just restarted and is catching up; measured), and a worker that took such an
+        answer for "entry gone" would drop a work item for good (DESIGN.md §2.2). A stale
+        *found* answer is harmless: its revision fails the compare-and-set.
+        """
         check_queue_id(queue_id)
         msg = await self._last(queue_id)
+        if msg is None or _is_marker(msg):
+            msg = await self._last(queue_id, leader=True)
         if msg is None or _is_marker(msg):
             raise EntryNotFound(queue_id)
         return self._decode(queue_id, msg)

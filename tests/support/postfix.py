@@ -18,6 +18,9 @@ disabled``, ``disable_dns_lookups``, ``smtp_host_lookup = native``, no peer name
 every other destination goes to the ``error`` transport, and only loopback addresses are
 used. Logs go to ``DIR/maillog`` (``maillog_file``, Postfix ≥ 3.4).
 
+:class:`JsqueueProcess` runs jsqueue beside it the same way: a real process started
+through the CLI (``python -m jsqueue up|smtp|worker|nats``) with ``JSQUEUE_*`` settings.
+
 Usage::
 
     with Postfix.mx(workdir, mailboxes=["bob@dest.example.test"]) as mx:

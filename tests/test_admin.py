@@ -1,0 +1,457 @@
+"""Operator actions (jsqueue.admin) against a real queue: real nats-server, front end,
+workers, DNS server and scripted MXes on loopback.
+
+The race tests hold an MX at its RCPT reply (``GatedMx``) so an action lands while a worker
+is in the middle of a delivery, then check that neither side's update was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from test_worker import SENDER_ZONE, dsn_parts, gone
+
+from jsqueue import replies
+from jsqueue.admin import (
+    Action,
+    Admin,
+    EntryFilter,
+    Outcome,
+    bounced,
+    flushed,
+    held,
+    parse_duration,
+    released,
+)
+from jsqueue.envelope import Entry, EntryState, Lease, Recipient, RecipientState, Reply, utcnow
+from jsqueue.errors import BodyNotFound, EntryNotFound, InvalidName
+from jsqueue.events import Event, EventKind
+from jsqueue.names import new_queue_id
+from jsqueue.store.base import Stores, WorkItem
+from support.mx import ScriptedMx, Session, SmtpdMx
+from support.nats import backlog_is, read_body
+from support.queue import Harness, eventually
+
+DEST_ZONE = """
+dest.example.test.     300 IN MX 10 mx.dest.example.test.
+mx.dest.example.test.  300 IN A  127.0.2.20
+"""
+RCPT = "user@dest.example.test"
+MESSAGE = (
+    b"From: alice@example.test\r\nTo: user@dest.example.test\r\nSubject: admin\r\n"
+    b"Message-ID: <admin@example.test>\r\n\r\nHello.\r\n"
+)
+
+
+class Collect:
+    """An observer that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def kinds(self) -> list[EventKind]:
+        return [e.kind for e in self.events]
+
+
+class GatedMx(ScriptedMx):
+    """A scripted MX that holds its reply to the first RCPT until ``gate`` is set."""
+
+    def __init__(self, host: str, port: int, **kw: object) -> None:
+        super().__init__(host, port, **kw)  # type: ignore[arg-type]
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def _send(self, writer: asyncio.StreamWriter, reply: str) -> bool:
+        session: Session | None = self.sessions[-1] if self.sessions else None
+        if session and session.commands and session.commands[-1].upper().startswith("RCPT"):
+            self.waiting.set()
+            await self.gate.wait()
+        return await super()._send(writer, reply)
+
+
+async def recipient_is(h: Harness, qid: str, st: RecipientState, attempts: int) -> bool:
+    e = await h.entry(qid)
+    return e is not None and e.recipients[0].state is st and e.recipients[0].attempts == attempts
+
+
+# --------------------------------------------------------------------------- races
+
+
+async def test_flush_delivers_a_message_deferred_for_hours_once(queue_harness: Harness) -> None:
+    """DESIGN.md §4: a recipient deferred for three hours is delivered within seconds of a
+    flush (not when the NAK delay runs out), exactly once; the old work item is gone."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3 * 3600.0, "max_age_s": 86400.0})
+    h.dns.add(DEST_ZONE)
+    events = Collect()
+    admin = Admin(h.stores, events)
+    async with SmtpdMx("127.0.2.20", h.mx_port, rcpt_replies={RCPT: "450 4.2.0 busy"}) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        async with h.running():
+            await eventually(lambda: recipient_is(h, qid, RecipientState.DEFERRED, 1))
+            e = await h.entry(qid)
+            assert e is not None and e.recipients[0].next_attempt_at is not None
+            assert e.recipients[0].next_attempt_at - utcnow() > timedelta(hours=2)
+            mx.rcpt_replies.clear()
+            result = await admin.flush(qid)
+            assert result.outcome is Outcome.DONE, result
+            await eventually(lambda: len(mx.delivered) == 1, timeout_s=10, what="flushed")
+            await eventually(lambda: gone(h, qid), what="entry removed")
+            await backlog_is(h.stores.scheduler, 0)
+        assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
+        assert events.kinds() == [EventKind.FLUSHED]
+        assert events.events[0].queue_id == qid
+
+
+async def test_hold_while_delivering_loses_no_update(queue_harness: Harness) -> None:
+    """A hold set while a worker waits for the RCPT reply: the worker's 450 is recorded
+    (attempts 1, last reply) and the hold survives it; the retry drops (held) without an
+    SMTP session; release delivers."""
+    h = queue_harness
+    h.dns.add(DEST_ZONE)
+    admin = Admin(h.stores)
+    async with GatedMx("127.0.2.20", h.mx_port, rcpt="450 4.2.0 busy") as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        async with h.running():
+            await asyncio.wait_for(mx.waiting.wait(), 15)
+            e = await h.entry(qid)
+            assert e is not None and e.state is EntryState.ACTIVE
+            result = await admin.hold(qid)
+            assert result.outcome is Outcome.DONE
+            assert "being delivered" in result.detail
+            mx.gate.set()
+
+            async def held_and_recorded() -> bool:
+                e = await h.entry(qid)
+                return (
+                    e is not None
+                    and e.held
+                    and e.recipients[0].state is RecipientState.DEFERRED
+                    and e.recipients[0].attempts == 1
+                )
+
+            await eventually(held_and_recorded, what="hold and outcome both stored")
+            # The NAKed item comes back after 1 s, finds the entry held and is dropped.
+            await backlog_is(h.stores.scheduler, 0)
+            assert mx.connections == 1
+            e = await h.entry(qid)
+            assert e is not None and e.state is EntryState.HELD
+            assert e.recipients[0].last_reply is not None
+            assert e.recipients[0].last_reply.code == 450
+            assert (await admin.hold(qid)).outcome is Outcome.UNCHANGED
+            mx.rcpt = "250 2.1.5 ok"
+            assert (await admin.release(qid)).outcome is Outcome.DONE
+            await eventually(lambda: len(mx.delivered) == 1, what="delivered after release")
+            await eventually(lambda: gone(h, qid), what="entry removed")
+        assert mx.connections == 2
+
+
+async def test_delete_while_deferred_means_no_delivery(queue_harness: Harness) -> None:
+    """Delete of a deferred entry removes entry, body and work item; a late trigger for it
+    (published before the delete) is dropped by the worker without contacting the MX."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0})
+    h.dns.add(DEST_ZONE)
+    events = Collect()
+    admin = Admin(h.stores, events)
+    async with SmtpdMx("127.0.2.20", h.mx_port, rcpt_replies={RCPT: "450 4.2.0 busy"}) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        worker = h.worker()
+        async with h.running(worker):
+            await eventually(lambda: recipient_is(h, qid, RecipientState.DEFERRED, 1))
+            result = await admin.delete(qid)
+            assert result.outcome is Outcome.DONE
+            assert await h.entry(qid) is None
+            with pytest.raises(BodyNotFound):
+                await read_body(h.stores, qid)
+            await backlog_is(h.stores.scheduler, 0)
+            mx.rcpt_replies.clear()
+            handled = worker.handled
+            await h.stores.scheduler.flush(WorkItem(qid, "dest.example.test", 0))
+            await eventually(lambda: worker.handled > handled, what="late trigger handled")
+            await backlog_is(h.stores.scheduler, 0)
+        assert mx.delivered == []
+        assert mx.connections == 1
+        assert (await admin.delete(qid)).outcome is Outcome.NOT_FOUND
+        assert events.kinds() == [EventKind.DELETED]
+
+
+async def test_delete_while_delivering_aborts_before_data(queue_harness: Harness) -> None:
+    """Delete while the worker waits for the RCPT reply: the body is gone before DATA, so
+    the transaction is abandoned (RFC 5321 §4.1.1.4: no final dot, nothing delivered) and the
+    worker records nothing and retries nothing."""
+    h = queue_harness
+    h.dns.add(DEST_ZONE)
+    admin = Admin(h.stores)
+    async with GatedMx("127.0.2.20", h.mx_port) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        worker = h.worker()
+        async with h.running(worker):
+            await asyncio.wait_for(mx.waiting.wait(), 15)
+            result = await admin.delete(qid)
+            assert result.outcome is Outcome.DONE
+            assert "being delivered" in result.detail
+            mx.gate.set()
+            await eventually(lambda: worker.handled >= 1, what="attempt finished")
+            await backlog_is(h.stores.scheduler, 0)
+        assert mx.delivered == []
+        assert mx.connections == 1
+        assert await h.entry(qid) is None
+
+
+async def test_bounce_sends_one_dsn_with_a_5xx(queue_harness: Harness) -> None:
+    """Operator bounce: the deferred recipient fails with 550 5.7.1, the sender gets one
+    failure DSN (Status 5.7.1, not the 4.4.7 of an expiry, RFC 3463 §3.8), the entry goes."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0})
+    h.dns.add(DEST_ZONE + SENDER_ZONE)
+    events = Collect()
+    admin = Admin(h.stores, events)
+    async with (
+        SmtpdMx("127.0.2.20", h.mx_port, rcpt_replies={RCPT: "450 4.2.0 busy"}),
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(MESSAGE, [RCPT])
+        async with h.running():
+            await eventually(lambda: recipient_is(h, qid, RecipientState.DEFERRED, 1))
+            result = await admin.bounce(qid)
+            assert result.outcome is Outcome.DONE
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="the DSN")
+            await eventually(lambda: gone(h, qid), what="entry removed")
+        dsn = sender_mx.delivered[0]
+        assert dsn.mail_from == ""
+        assert dsn.rcpt_to == ["alice@example.test"]
+        _, groups = dsn_parts(dsn.content or b"")
+        assert [g["Final-Recipient"] for g in groups] == [f"rfc822; {RCPT}"]
+        assert groups[0]["Action"] == "failed"
+        assert groups[0]["Status"] == "5.7.1"
+        assert "bounced by the postmaster" in str(groups[0]["Diagnostic-Code"])
+        assert events.kinds() == [EventKind.BOUNCED]
+        assert events.events[0].recipient == RCPT
+        assert events.events[0].reply == replies.R550_BOUNCED_BY_POSTMASTER
+
+
+# --------------------------------------------------------------------------- listing, stats
+
+
+def entry_at(
+    minutes_ago: float,
+    domain: str,
+    state: RecipientState = RecipientState.PENDING,
+    *,
+    sender: str = "alice@example.test",
+    held_: bool = False,
+    is_dsn: bool = False,
+) -> Entry:
+    created = utcnow() - timedelta(minutes=minutes_ago)
+    return Entry(
+        id=new_queue_id(int(created.timestamp() * 1000)),
+        reverse_path=sender,
+        recipients=[Recipient(address=f"u@{domain}", domain=domain, state=state)],
+        created_at=created,
+        size=1000,
+        held=held_,
+        is_dsn=is_dsn,
+    )
+
+
+async def store_all(stores: Stores, entries: list[Entry]) -> list[str]:
+    for e in entries:
+        await stores.entries.create(e)
+    return sorted(e.id for e in entries)
+
+
+async def test_page_filters_and_paging(js_stores: Stores) -> None:
+    """``queue ls``: arrival order, done entries hidden by default, every filter, and paging
+    with ``next_after`` that neither skips nor repeats an entry."""
+    entries = [
+        entry_at(300, "a.example.test"),
+        entry_at(200, "b.example.test", RecipientState.DEFERRED, sender=""),
+        entry_at(100, "b.example.test", RecipientState.DEFERRED, held_=True),
+        entry_at(50, "c.example.test", RecipientState.DELIVERED, is_dsn=True),
+        entry_at(10, "a.example.test", RecipientState.ACTIVE, sender="bob@example.org"),
+        entry_at(1, "xn--bcher-kva.example.test"),
+    ]
+    ids = await store_all(js_stores, entries)
+    admin = Admin(js_stores)
+    by_id = {e.id: e for e in entries}
+    open_ids = [i for i in ids if not by_id[i].is_final]
+
+    pages, after = [], None
+    while True:
+        page = await admin.page(after=after, limit=2)
+        pages.append([e.id for e in page.entries])
+        if page.next_after is None:
+            break
+        after = page.next_after
+    assert [i for p in pages for i in p] == open_ids
+    assert all(len(p) <= 2 for p in pages)
+
+    async def ids_of(flt: EntryFilter) -> list[str]:
+        return [e.id for e in (await admin.page(flt, limit=100)).entries]
+
+    assert await ids_of(EntryFilter(states=frozenset({EntryState.DONE}))) == [entries[3].id]
+    assert await ids_of(EntryFilter(states=frozenset({EntryState.HELD}))) == [entries[2].id]
+    assert await ids_of(EntryFilter(domain="A.Example.Test")) == [entries[0].id, entries[4].id]
+    assert await ids_of(EntryFilter(domain="bücher.example.test")) == [entries[5].id]
+    assert await ids_of(EntryFilter(sender="<>")) == [entries[1].id]
+    assert await ids_of(EntryFilter(sender="@EXAMPLE.ORG")) == [entries[4].id]
+    assert await ids_of(EntryFilter(min_age_s=150 * 60)) == [entries[0].id, entries[1].id]
+    assert await ids_of(EntryFilter(max_age_s=30 * 60)) == [entries[4].id, entries[5].id]
+    summary = (await admin.page(EntryFilter(sender="<>"))).entries[0]
+    assert summary.reverse_path == "" and summary.state is EntryState.DEFERRED
+    assert summary.recipients[0].address == "u@b.example.test"
+
+
+async def test_stats_counts_states_domains_and_oldest(js_stores: Stores) -> None:
+    """``queue stats``: entries by state (done included), open recipients per destination,
+    the oldest open entry (a done DSN stub is older but does not count), the backlog."""
+    entries = [
+        entry_at(500, "c.example.test", RecipientState.DELIVERED, is_dsn=True),
+        entry_at(300, "a.example.test", RecipientState.DEFERRED),
+        entry_at(200, "a.example.test"),
+        entry_at(100, "b.example.test", held_=True),
+    ]
+    await store_all(js_stores, entries)
+    await js_stores.scheduler.schedule(WorkItem(entries[2].id, "a.example.test", 0))
+    stats = await Admin(js_stores).stats()
+    assert stats.entries == 4
+    assert stats.by_state == {
+        EntryState.DONE: 1,
+        EntryState.DEFERRED: 1,
+        EntryState.PENDING: 1,
+        EntryState.HELD: 1,
+    }
+    assert list(stats.by_domain) == ["a.example.test", "b.example.test"]
+    assert stats.by_domain["a.example.test"].recipients == 2
+    assert stats.by_domain["a.example.test"].deferred == 1
+    assert stats.by_domain["a.example.test"].entries == 2
+    assert stats.oldest_id == entries[1].id
+    assert stats.oldest_age_s is not None and 299 * 60 < stats.oldest_age_s < 302 * 60
+    assert stats.backlog == 1
+
+
+async def test_show_and_body(queue_harness: Harness) -> None:
+    """``queue show``: the stored entry with its envelope; ``--body`` streams the message as
+    stored (with our Received: trace field prepended, RFC 5321 §4.4)."""
+    h = queue_harness
+    admin = Admin(h.stores)
+    qid = await h.submit(MESSAGE, [RCPT])
+    detail = await admin.show(qid)
+    assert detail.id == qid and detail.reverse_path == "alice@example.test"
+    assert detail.recipients[0].address == RCPT
+    assert detail.recipients[0].state is RecipientState.PENDING
+    assert detail.size > len(MESSAGE) and detail.revision >= 1
+    body = b"".join([chunk async for chunk in admin.body(qid)])
+    assert body.startswith(b"Received:") and body.endswith(MESSAGE)
+    with pytest.raises(EntryNotFound):
+        await admin.show(new_queue_id())
+    with pytest.raises(InvalidName):
+        await admin.show("../etc/passwd")
+
+
+# --------------------------------------------------------------------------- bulk, concurrency
+
+
+async def test_bulk_hold_release_delete_with_progress(js_stores: Stores) -> None:
+    """Bulk actions by filter: every match acted on once, progress reported per entry,
+    missing ids reported as not found (and ``ok`` false)."""
+    entries = [entry_at(60 - i, "bulk.example.test") for i in range(6)]
+    ids = await store_all(js_stores, entries)
+    admin = Admin(js_stores, concurrency=3)
+    progress: list[tuple[int, int]] = []
+    selected = await admin.select(EntryFilter(domain="bulk.example.test"))
+    assert selected == ids
+    result = await admin.apply(
+        Action.HOLD, selected, progress=lambda done, total: progress.append((done, total))
+    )
+    assert result.counts == {Outcome.DONE: 6} and result.ok
+    assert sorted(progress) == [(i, 6) for i in range(1, 7)]
+    assert await admin.select(EntryFilter(states=frozenset({EntryState.HELD}))) == ids
+    result = await admin.apply(Action.RELEASE, ids)
+    assert result.counts == {Outcome.DONE: 6}
+    await backlog_is(js_stores.scheduler, 6)
+    missing = new_queue_id()
+    result = await admin.apply(Action.DELETE, [*ids, missing])
+    assert result.counts == {Outcome.DONE: 6, Outcome.NOT_FOUND: 1}
+    assert not result.ok
+    assert [r.queue_id for r in result.results] == [*ids, missing]
+    assert await admin.select(EntryFilter(states=frozenset(EntryState))) == []
+    await backlog_is(js_stores.scheduler, 0)
+
+
+async def test_concurrent_flushes_leave_a_current_work_item(js_stores: Stores) -> None:
+    """Three flushes of one entry at once: every one bumps the generation by CAS, and the
+    work stream ends up with an item of the final generation (a later flush's item is never
+    purged for good by an earlier one)."""
+    e = entry_at(30, "race.example.test", RecipientState.DEFERRED)
+    e.recipients[0].next_attempt_at = utcnow() + timedelta(hours=3)
+    await js_stores.entries.create(e)
+    await js_stores.scheduler.schedule(
+        WorkItem(e.id, "race.example.test", 0), at=utcnow() + timedelta(hours=3)
+    )
+    admin = Admin(js_stores)
+    results = await asyncio.gather(*(admin.flush(e.id) for _ in range(3)))
+    assert [r.outcome for r in results] == [Outcome.DONE] * 3
+    current = (await js_stores.entries.get(e.id)).entry
+    assert current.generation == 3
+    assert current.recipients[0].next_attempt_at is not None
+    assert current.recipients[0].next_attempt_at <= utcnow()
+    due = await js_stores.scheduler.fetch(10, 3.0)
+    assert any(d.item.generation == 3 for d in due), [d.item for d in due]
+    for d in due:
+        await d.ack()
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_pure_changes() -> None:
+    """The pure transitions: flush makes open recipients of one domain due and bumps the
+    generation; hold/release toggle; bounce skips a domain under a running lease and uses
+    ``failed`` for the null reverse-path (no DSN owed, RFC 5321 §4.5.5)."""
+    now = utcnow()
+    e = entry_at(10, "a.example.test", RecipientState.DEFERRED)
+    e.recipients.append(Recipient(address="v@b.example.test", domain="b.example.test"))
+    e.recipients[0].next_attempt_at = now + timedelta(hours=1)
+    new, _ = flushed(e, now, "a.example.test")
+    assert new is not None and new.generation == 1
+    assert new.recipients[0].next_attempt_at == now
+    assert new.recipients[1].next_attempt_at is None
+    assert flushed(e, now, "c.example.test")[0] is None
+    h, _ = held(e)
+    assert h is not None and h.held and held(h)[0] is None
+    assert flushed(h, now)[0] is None  # held: release instead
+    r, _ = released(h, now)
+    assert r is not None and not r.held and r.generation == 1
+    assert released(e, now)[0] is None
+    e.leases["b.example.test"] = Lease(owner="w", until=now + timedelta(minutes=5))
+    reply = Reply(code=550, enhanced="5.7.1", text="x")
+    b, detail = bounced(e, now, reply)
+    assert b is not None and "b.example.test" in detail
+    assert [x.state for x in b.recipients] == [RecipientState.BOUNCED, RecipientState.PENDING]
+    null = e.model_copy(update={"reverse_path": "", "leases": {}})
+    b2, _ = bounced(null, now, reply)
+    assert b2 is not None
+    assert [x.state for x in b2.recipients] == [RecipientState.FAILED, RecipientState.FAILED]
+    assert all(x.last_reply == reply for x in b2.recipients)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90.0), ("90s", 90.0), ("15m", 900.0), ("2h", 7200.0), ("1.5d", 129600.0)],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    """Ages on the command line: a number with an optional unit."""
+    assert parse_duration(text) == seconds
+
+
+def test_parse_duration_rejects_garbage() -> None:
+    """A bad age is a ValueError naming the input (the CLI turns it into exit code 2)."""
+    with pytest.raises(ValueError, match="2 hours"):
+        parse_duration("2 hours")

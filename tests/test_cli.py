@@ -1,0 +1,220 @@
+"""The ``jsqueue`` command line, run as a real child process (``python -m jsqueue``)
+against the test's nats-server and a real queue: listings, show, stats, every action,
+events tail, check, and the exit codes (0 ok, 1 runtime failure, 2 usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from test_admin import DEST_ZONE, MESSAGE, RCPT
+
+from jsqueue.admin import BulkResult, EntryDetail, EntrySummary, Outcome, QueueStats
+from jsqueue.envelope import EntryState, RecipientState
+from jsqueue.events import Event, EventKind
+from jsqueue.names import Names, new_queue_id
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.store.jetstream import open_jetstream
+from support.mx import SmtpdMx
+from support.nats import make_settings, read_body
+from support.queue import Harness, eventually
+
+TIMEOUT_S = 60.0
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+    raw: bytes
+
+    def json_lines(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in self.out.splitlines() if line.strip()]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The current environment without any JSQUEUE_ setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JSQUEUE_")}
+    env["JSQUEUE_LOG__LEVEL"] = "WARNING"
+    env.update(extra)
+    return env
+
+
+async def jsqueue(*args: str, env: dict[str, str]) -> Run:
+    """Run ``python -m jsqueue ARGS`` to completion (bounded)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jsqueue",
+        *args,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+    assert proc.returncode is not None
+    return Run(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), out)
+
+
+def queue_env(nats_server: EmbeddedNats, names: Names) -> dict[str, str]:
+    return cli_env(
+        JSQUEUE_NATS__URLS=json.dumps([nats_server.url]), JSQUEUE_NATS__PREFIX=names.prefix
+    )
+
+
+async def test_ls_show_stats(
+    queue_harness: Harness, nats_server: EmbeddedNats, names: Names
+) -> None:
+    """``queue ls`` (mailq lines, JSON lines, --limit with a continuation hint), ``queue
+    show`` (text, JSON, --body as stored), ``queue stats --json``."""
+    h = queue_harness
+    env = queue_env(nats_server, names)
+    first = await h.submit(MESSAGE, [RCPT])
+    second = await h.submit(MESSAGE, ["other@else.example.test"], sender="bob@example.test")
+
+    ls = await jsqueue("queue", "ls", env=env)
+    assert ls.code == 0, ls.err
+    lines = ls.out.splitlines()
+    assert lines[0].startswith("-Queue ID-")
+    assert lines[1].startswith(first) and "alice@example.test" in lines[1]
+    assert any(RCPT in line and "[pending]" in line for line in lines)
+    assert any(line.startswith(second) for line in lines)
+    assert lines[-1].endswith("in 2 Requests.")
+
+    ls_json = await jsqueue("queue", "ls", "--json", "--sender", "bob@example.test", env=env)
+    assert ls_json.code == 0, ls_json.err
+    [only] = [EntrySummary.model_validate(x) for x in ls_json.json_lines()]
+    assert only.id == second and only.state is EntryState.PENDING
+
+    limited = await jsqueue("queue", "ls", "--json", "--limit", "1", env=env)
+    assert [x["id"] for x in limited.json_lines()] == [first]
+    assert f"--after {first}" in limited.err
+
+    show = await jsqueue("queue", "show", first, env=env)
+    assert show.code == 0, show.err
+    assert f"id:           {first}" in show.out and f"<{RCPT}>  pending" in show.out
+    show_json = await jsqueue("queue", "show", first, "--json", env=env)
+    detail = EntryDetail.model_validate_json(show_json.out)
+    assert detail.id == first and detail.recipients[0].address == RCPT
+    body = await jsqueue("queue", "show", first, "--body", env=env)
+    assert body.code == 0 and body.raw == await read_body(h.stores, first)
+
+    stats = await jsqueue("queue", "stats", "--json", env=env)
+    assert stats.code == 0, stats.err
+    parsed = QueueStats.model_validate_json(stats.out)
+    assert parsed.entries == 2 and parsed.by_state == {EntryState.PENDING: 2}
+    assert set(parsed.by_domain) == {"dest.example.test", "else.example.test"}
+    assert parsed.oldest_id == first
+
+
+async def test_actions_and_events_tail(
+    queue_harness: Harness, nats_server: EmbeddedNats, names: Names
+) -> None:
+    """hold / release / flush --domain / bounce / delete through the CLI on a real queue with
+    a worker: a message deferred for hours is flushed and delivered; results as JSON; the
+    events tail shows what happened; a missing id exits 1."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3 * 3600.0, "max_age_s": 86400.0})
+    h.dns.add(DEST_ZONE)
+    env = queue_env(nats_server, names)
+    async with SmtpdMx("127.0.2.20", h.mx_port, rcpt_replies={RCPT: "450 4.2.0 busy"}) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        async with h.running():
+
+            async def deferred() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.recipients[0].state is RecipientState.DEFERRED
+
+            await eventually(deferred, what="deferred")
+            hold = await jsqueue("queue", "hold", qid, "--json", env=env)
+            assert hold.code == 0, hold.err
+            result = BulkResult.model_validate_json(hold.out)
+            assert result.counts == {Outcome.DONE: 1}
+            held = await jsqueue("queue", "ls", "--state", "held", "--json", env=env)
+            assert [x["id"] for x in held.json_lines()] == [qid]
+            release = await jsqueue("queue", "release", qid, env=env)
+            assert release.code == 0 and f"{qid}: release done" in release.out
+            mx.rcpt_replies.clear()
+            flush = await jsqueue("queue", "flush", "--domain", "dest.example.test", env=env)
+            assert flush.code == 0, flush.err
+            assert "flush: 1 matched; 1 done" in flush.out
+            await eventually(lambda: len(mx.delivered) == 1, what="delivered after flush")
+    assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
+
+    other = await h.submit(MESSAGE, ["x@nowhere.example.test"])
+    bounce = await jsqueue("queue", "bounce", other, "--json", env=env)
+    assert BulkResult.model_validate_json(bounce.out).counts == {Outcome.DONE: 1}
+    delete = await jsqueue("queue", "delete", other, env=env)
+    assert delete.code == 0 and f"{other}: delete done" in delete.out
+    again = await jsqueue("queue", "delete", other, env=env)
+    assert again.code == 1 and "not-found" in again.out
+    third = await h.submit(MESSAGE, ["y@nowhere.example.test"])
+    delete_all = await jsqueue("queue", "delete", "--all", "--json", env=env)
+    assert delete_all.code == 0, delete_all.err
+    result = BulkResult.model_validate_json(delete_all.out)
+    assert result.counts == {Outcome.DONE: 1} and result.results[0].queue_id == third
+
+    tail = await jsqueue(
+        "events", "tail", "--from-start", "--count", "5", "--json",
+        "--kind", "held", "--kind", "released", "--kind", "flushed", "--kind", "deleted",
+        env=env,
+    )  # fmt: skip
+    assert tail.code == 0, tail.err
+    events = [Event.model_validate(x) for x in tail.json_lines()]
+    assert [(e.kind, e.queue_id) for e in events] == [
+        (EventKind.HELD, qid),
+        (EventKind.RELEASED, qid),
+        (EventKind.FLUSHED, qid),
+        (EventKind.DELETED, other),
+        (EventKind.DELETED, third),
+    ]
+    assert all(e.source and e.source.startswith("admin:") for e in events)
+    text = await jsqueue("events", "tail", "--from-start", "--count", "1", env=env)
+    assert text.code == 0 and text.out.split()[2:4] == ["held", qid]
+    assert "by admin:" in text.out
+
+
+async def test_usage_errors_exit_2(nats_server: EmbeddedNats, names: Names) -> None:
+    """Bad usage is one line on stderr and exit code 2, before anything is changed."""
+    env = queue_env(nats_server, names)
+    cases = [
+        (["queue", "hold"], "give queue ids"),
+        (["queue", "delete", new_queue_id(), "--all"], "not both"),
+        (["queue", "show", "not-a-queue-id"], "invalid queue id"),
+        (["queue", "ls", "--min-age", "2 hours"], "invalid duration"),
+        (["queue", "flush", "--domain", "bad domain!"], "domain"),
+    ]
+    for args, message in cases:
+        run = await jsqueue(*args, env=env)
+        assert run.code == 2, (args, run.code, run.err)
+        assert message in run.err, (args, run.err)
+        assert "Traceback" not in run.err
+    missing = await jsqueue("queue", "show", new_queue_id(), env=env)
+    assert missing.code == 1 and "no such entry" in missing.err
+
+
+async def test_check(nats_server: EmbeddedNats, names: Names) -> None:
+    """``jsqueue check``: 1 while the queue is not set up (and it sets nothing up), 0 once it
+    is, 1 (one line, no traceback) when NATS does not answer."""
+    env = queue_env(nats_server, names)
+    bare = await jsqueue("check", env=env)
+    assert bare.code == 1 and "queue not set up" in bare.err, bare.err
+    settings = make_settings(prefix=names.prefix)
+    stores = await open_jetstream(settings, [nats_server.url], names=names)
+    await stores.close()
+    ok = await jsqueue("check", env=env)
+    assert ok.code == 0 and ok.out.startswith("ok:"), ok.err
+    down = await jsqueue(
+        "check",
+        env=cli_env(
+            JSQUEUE_NATS__URLS='["nats://127.0.0.1:1"]', JSQUEUE_NATS__CONNECT_TIMEOUT_S="0.5"
+        ),
+    )
+    assert down.code == 1
+    assert "Traceback" not in down.err
+    assert down.err.strip().splitlines()[-1].startswith("jsqueue: cannot connect to NATS")

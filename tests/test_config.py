@@ -1,0 +1,125 @@
+"""Configuration: environment over TOML file over defaults, the generated reference in
+docs/configuration.md, secrets hidden by ``config show``, and invalid settings as one line
+with exit code 2 through the real command line (a child process)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from test_cli import cli_env, jsqueue
+
+from jsqueue.config import Settings, load_settings, setting_paths, settings_reference
+from jsqueue.errors import ConfigError
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+
+
+def test_reference_documents_every_setting() -> None:
+    """Every field path of Settings (nested sections included) is in docs/configuration.md
+    with its environment variable, and the file is what the generator prints today."""
+    text = DOC.read_text()
+    paths = setting_paths()
+    assert len(paths) > 60 and "worker.smarthost.password" in paths
+    for path in paths:
+        assert f"| `{path}` |" in text, f"{path} is not documented"
+        assert f"`JSQUEUE_{path.upper().replace('.', '__')}`" in text
+    for section in Settings.model_fields:
+        assert f"## `{section}`" in text
+    assert text == settings_reference(), "regenerate: python -m jsqueue.config > " + str(DOC)
+
+
+def test_every_setting_states_default_and_meaning() -> None:
+    """Each table row has a default (or 'required'/'unset') and a meaning; durations say
+    seconds in the unit column."""
+    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| `")]
+    assert {row.split("`")[1] for row in rows} >= set(setting_paths())
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 6, row
+        path, _env, _type, default, unit, meaning = cells
+        assert default and meaning, row
+        if path.rstrip("`").endswith("_s"):
+            assert unit == "seconds", row
+
+
+async def test_env_over_toml_over_defaults_and_secrets_hidden(tmp_path: Path) -> None:
+    """``config show``: the environment wins over the TOML file, which wins over defaults;
+    passwords (SecretStr, and inside NATS URLs) are masked in text and JSON."""
+    toml = tmp_path / "jsqueue.toml"
+    toml.write_text(
+        "[worker]\nmx_port = 2526\nconcurrency = 7\n"
+        '[worker.smarthost]\nhost = "relay.example.test"\npassword = "toml-secret-1"\n'
+        '[nats]\nurls = ["nats://ops:url-secret-2@127.0.0.1:4222"]\n'
+    )
+    env = cli_env(
+        JSQUEUE_CONFIG=str(toml),
+        JSQUEUE_WORKER__CONCURRENCY="9",
+        JSQUEUE_NATS__PASSWORD="env-secret-3",
+    )
+    as_json = await jsqueue("config", "show", "--json", env=env)
+    assert as_json.code == 0, as_json.err
+    data = json.loads(as_json.out)
+    assert data["worker"]["mx_port"] == 2526  # file
+    assert data["worker"]["concurrency"] == 9  # environment over file
+    assert data["worker"]["batch"] == 20  # default
+    assert data["nats"]["urls"] == ["nats://ops:**********@127.0.0.1:4222"]
+    assert data["nats"]["password"] == "**********"
+    assert data["worker"]["smarthost"]["password"] == "**********"
+    text = await jsqueue("config", "show", env=env)
+    assert text.code == 0 and "[worker]" in text.out and "mx_port = 2526" in text.out
+    for run in (as_json, text):
+        for secret in ("toml-secret-1", "url-secret-2", "env-secret-3"):
+            assert secret not in run.out + run.err
+
+
+INVALID = [
+    pytest.param({"JSQUEUE_WORKER__MX_PORT": "99999"}, None, r"worker\.mx_port: .*65535", id="env"),
+    pytest.param(
+        {"JSQUEUE_NATS__URLS": "nats://not-json"},
+        None,
+        r"nats \(JSQUEUE_NATS__URLS\): not valid JSON",
+        id="env-json",
+    ),
+    pytest.param({}, "[retry]\nbase_s = -1\n", r"retry\.base_s: .*greater than 0", id="toml"),
+    pytest.param({}, "[smtp]\nprot = 25\n", r"smtp\.prot: Extra inputs", id="toml-unknown"),
+    pytest.param({}, "[worker\nmx_port = \n", r"config file .*jsqueue\.toml: ", id="toml-bad"),
+    pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
+]
+
+
+@pytest.mark.parametrize(("env", "toml", "message"), INVALID)
+async def test_invalid_setting_is_one_line_exit_2(
+    tmp_path: Path, env: dict[str, str], toml: str | None, message: str
+) -> None:
+    """An invalid value from the environment or a TOML file, a malformed TOML file or a
+    missing one: exit code 2, one line on stderr naming the setting and why, no traceback."""
+    args: list[str] = []
+    if toml is not None:
+        path = tmp_path / "jsqueue.toml"
+        path.write_text(toml)
+        args = ["--config", str(path)]
+    run = await jsqueue(*args, "config", "show", env=cli_env(**env))
+    assert run.code == 2, (run.code, run.out, run.err)
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 1, run.err
+    assert lines[0].startswith("jsqueue: invalid configuration: ")
+    assert re.search(message, lines[0]), lines[0]
+    assert run.out == ""
+
+
+def test_load_settings_errors_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_settings itself raises ConfigError (never a pydantic or TOML error)."""
+    monkeypatch.delenv("JSQUEUE_CONFIG", raising=False)
+    monkeypatch.setenv("JSQUEUE_WORKER", "{not json")
+    with pytest.raises(ConfigError, match=r"^worker \(JSQUEUE_WORKER\): not valid JSON"):
+        load_settings()
+    monkeypatch.delenv("JSQUEUE_WORKER")
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "missing.toml")
+    good = tmp_path / "good.toml"
+    good.write_text("[http]\nport = 0\nqueue_depth_interval_s = 0\n")
+    settings = load_settings(good)
+    assert settings.http.port == 0 and settings.http.queue_depth_interval_s == 0

@@ -1,0 +1,221 @@
+"""Metrics, health and logs: the HTTP endpoint scraped over loopback while a real queue
+delivers, the probe's gauges, readiness, ``run_services`` wiring, and the JSON log line of
+a delivery attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at, store_all
+
+from jsqueue.config import HttpSettings, LogSettings, NatsSettings
+from jsqueue.envelope import EntryState, RecipientState
+from jsqueue.frontend import SmtpServer
+from jsqueue.health import Health, HttpServer
+from jsqueue.logs import JsonFormatter
+from jsqueue.metrics import Metrics, QueueProbe
+from jsqueue.names import Names
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.runtime import run_services
+from jsqueue.store.base import Stores, WorkItem
+from support.mx import SmtpdMx
+from support.queue import Harness, eventually
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """GET /metrics and flatten it: ``name{label="v"}`` → value."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+async def get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_metrics_endpoint_shows_counters_moving(queue_harness: Harness) -> None:
+    """Scraped over HTTP: accepted and delivery-attempt counters and the duration histogram
+    are 0 before and move after one message is deferred once and then delivered."""
+    h = queue_harness
+    h.dns.add(DEST_ZONE)
+    metrics = Metrics()
+    server = HttpServer(HttpSettings(port=0), metrics, Health())
+    await server.start()
+    try:
+        before = await scrape(server.url)
+        assert before["jsqueue_messages_accepted_total"] == 0
+        assert before['jsqueue_delivery_attempts_total{outcome="delivered"}'] == 0
+        async with SmtpdMx("127.0.2.20", h.mx_port, rcpt_replies={RCPT: "450 4.2.0 x"}) as mx:
+            h.frontend = SmtpServer(h.settings.smtp, h.stores, metrics)
+            await h.frontend.start()
+            await h.submit(MESSAGE, [RCPT])
+            async with h.running(h.worker(observer=metrics)):
+                await eventually(lambda: mx.connections == 1, what="first attempt")
+                mx.rcpt_replies.clear()
+                await eventually(lambda: len(mx.delivered) == 1, what="delivered")
+        after = await scrape(server.url)
+    finally:
+        await server.stop()
+    assert after["jsqueue_messages_accepted_total"] == 1
+    assert after["jsqueue_accepted_recipients_total"] == 1
+    assert after["jsqueue_accepted_bytes_total"] > len(MESSAGE)
+    assert after['jsqueue_delivery_attempts_total{outcome="deferred"}'] == 1
+    assert after['jsqueue_delivery_attempts_total{outcome="delivered"}'] == 1
+    assert after['jsqueue_delivery_attempts_total{outcome="bounced"}'] == 0
+    assert after['jsqueue_delivery_duration_seconds_count{outcome="delivered"}'] == 1
+    assert after['jsqueue_state_changes_total{kind="received"}'] == 1
+
+
+async def test_probe_readiness_and_gauges(js_stores: Stores) -> None:
+    """The probe sets the backlog and NATS gauges and the ``nats`` readiness; the depth scan
+    sets entries per state; /healthz is 200 throughout, /readyz only when all is ready."""
+    entries = [
+        entry_at(3, "a.example.test"),
+        entry_at(2, "a.example.test", RecipientState.DEFERRED),
+        entry_at(1, "a.example.test", held_=True),
+    ]
+    await store_all(js_stores, entries)
+    await js_stores.scheduler.schedule(WorkItem(entries[0].id, "a.example.test", 0))
+    metrics, health = Metrics(), Health()
+    health.require("nats", "worker")
+    probe = QueueProbe(js_stores, metrics, on_health=lambda ok: health.set("nats", ok))
+    server = HttpServer(HttpSettings(port=0), metrics, health)
+    await server.start()
+    try:
+        assert (await get(server.url + "/healthz"))[0] == 200
+        status, body = await get(server.url + "/readyz")
+        assert status == 503
+        assert json.loads(body) == {"ready": False, "components": {"nats": False, "worker": False}}
+        assert await probe.probe() and await probe.scan_depth()
+        health.set("worker", True)
+        assert (await get(server.url + "/readyz"))[0] == 200
+        values = await scrape(server.url)
+        assert values["jsqueue_nats_connected"] == 1
+        assert values["jsqueue_work_backlog_items"] == 1
+        assert values['jsqueue_queue_entries{state="pending"}'] == 1
+        assert values['jsqueue_queue_entries{state="deferred"}'] == 1
+        assert values['jsqueue_queue_entries{state="held"}'] == 1
+        assert values['jsqueue_queue_entries{state="done"}'] == 0
+        health.stopping()
+        assert (await get(server.url + "/readyz"))[0] == 503
+        assert (await get(server.url + "/healthz"))[0] == 200
+    finally:
+        await server.stop()
+
+
+async def test_probe_reports_nats_loss(js_stores: Stores, nats_server: EmbeddedNats) -> None:
+    """With the nats-server gone the probe fails within its bound: gauge 0, not ready."""
+    metrics, health = Metrics(), Health()
+    probe = QueueProbe(
+        js_stores, metrics, probe_interval_s=1.0, on_health=lambda ok: health.set("nats", ok)
+    )
+    assert await probe.probe() and health.ready
+    nats_server.kill()
+    assert not await probe.probe()
+    assert not health.ready
+    assert metrics.registry.get_sample_value("jsqueue_nats_connected") == 0
+
+
+async def test_run_services_serves_health_and_metrics(
+    nats_server: EmbeddedNats,
+    nats_settings: NatsSettings,
+    names: Names,
+    queue_harness: Harness,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The runtime wires it together: front end, worker, probe and HTTP endpoint; ready
+    once NATS answered, and it shuts down cleanly when stopped."""
+    caplog.set_level(logging.INFO, logger="jsqueue")
+    settings = queue_harness.settings.model_copy(
+        update={
+            "nats": nats_settings.model_copy(
+                update={"urls": [nats_server.url], "prefix": names.prefix}
+            ),
+            "http": HttpSettings(port=0, probe_interval_s=0.2, queue_depth_interval_s=0.5),
+        }
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_services(settings, stop, smtp=True, worker=True, embedded=False))
+
+    def http_url() -> str | None:
+        for record in caplog.records:
+            m = re.search(r"HTTP endpoint on (http://\S+)/metrics", record.getMessage())
+            if m:
+                return m.group(1)
+        return None
+
+    try:
+        await eventually(lambda: http_url() is not None or task.done(), what="HTTP endpoint")
+        url = http_url()
+        assert url is not None, task
+
+        async def is_ready() -> bool:
+            return (await get(url + "/readyz"))[0] == 200
+
+        await eventually(is_ready, what="ready")
+        values = await scrape(url)
+        assert values["jsqueue_nats_connected"] == 1
+        assert "jsqueue_events_published_total" in values
+
+        async def scanned() -> bool:
+            return (await scrape(url)).get("jsqueue_queue_scan_timestamp_seconds", 0) > 0
+
+        await eventually(scanned, what="depth scan")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert task.exception() is None
+
+
+async def test_attempt_log_line_as_json(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One log line per delivery attempt and recipient; as JSON (log.json_format) it carries
+    the queue id, recipient, outcome, MX, reply, attempts and delays as fields."""
+    h = queue_harness
+    h.dns.add(DEST_ZONE)
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+    async with SmtpdMx("127.0.2.20", h.mx_port) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        async with h.running():
+            await eventually(lambda: len(mx.delivered) == 1, what="delivered")
+    lines = [r for r in caplog.records if getattr(r, "outcome", None) == "delivered"]
+    assert len(lines) == 1
+    data = json.loads(JsonFormatter().format(lines[0]))
+    assert data["level"] == "INFO" and data["logger"] == "jsqueue.worker"
+    assert data["queue_id"] == qid and data["recipient"] == RCPT
+    assert data["domain"] == "dest.example.test"
+    assert data["mx"] == "mx.dest.example.test"
+    assert data["reply"].startswith("250")
+    assert data["attempts"] == 1
+    assert data["delay_s"] >= 0 and data["age_s"] >= data["delay_s"]
+    assert data["next_attempt_at"] is None
+    assert f"queue={qid}" in data["message"] and "outcome=delivered" in data["message"]
+    assert re.match(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", data["time"])
+    assert LogSettings(json_format=True).json_format  # the switch that selects this format
+
+
+def test_depth_gauge_covers_every_state() -> None:
+    """A scan that found nothing in a state reports 0 for it, not a stale value."""
+    metrics = Metrics()
+    metrics.set_depth({EntryState.PENDING: 4}, 0.1)
+    metrics.set_depth({EntryState.DEFERRED: 2}, 0.1)
+    got = {
+        s: metrics.registry.get_sample_value("jsqueue_queue_entries", {"state": s.value})
+        for s in EntryState
+    }
+    assert got[EntryState.PENDING] == 0 and got[EntryState.DEFERRED] == 2
