@@ -45,11 +45,13 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -577,6 +579,36 @@ def _start_profilers(system: System, base: Path) -> list[subprocess.Popen[bytes]
     return procs
 
 
+_LINE_NO = re.compile(r":\d+\)$")
+
+
+def summarize_profile(path: Path, top: int = 20) -> str:
+    """Top functions of a py-spy raw profile (collapsed stacks): share of samples spent
+    in each (inclusive) and on top of the stack (self), line numbers folded."""
+    inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [_LINE_NO.sub(")", f) for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            inclusive[f] += n
+    if not total:
+        return f"{path.name}: no samples\n"
+    skip = ("asyncio/", "runpy", "typer/", "click/", "threading.py", "jsqueue/cli.py", "__main__")
+    rows = [(f, n) for f, n in inclusive.most_common() if not any(x in f for x in skip)]
+    out = [f"{path.name}: {total} samples", "inclusive:"]
+    out += [f"  {100 * n / total:5.1f}%  {f}" for f, n in rows[:top]]
+    out.append("self:")
+    out += [f"  {100 * n / total:5.1f}%  {f}" for f, n in own.most_common(top // 2)]
+    return "\n".join(out) + "\n"
+
+
 # --------------------------------------------------------------------------- deferred backlog
 
 
@@ -1034,6 +1066,13 @@ def main() -> None:
     print()
     print(text)
     print(f"saved {out}")
+    if profile_dir:
+        for prof_file in sorted(profile_dir.glob("*.txt")):
+            if prof_file.name.endswith(".summary.txt"):
+                continue
+            summary = summarize_profile(prof_file)
+            prof_file.with_suffix(".summary.txt").write_text(summary)
+            print(summary)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ CLUSTER_NAME = "jsqueue"
 DEFAULT_CLIENT_PORT = 4222
 #: Route port of node 1 by default; node n listens on ``DEFAULT_CLUSTER_PORT + n - 1``.
 DEFAULT_CLUSTER_PORT = 6222
+#: Server names are this followed by the node number (1-based).
+SERVER_NAME_PREFIX = "jsqueue-"
 #: First starts tried with fresh free ports before giving up (``client_port=0`` only).
 PORT_ATTEMPTS = 3
 
@@ -135,7 +137,7 @@ def cluster_config(
 
 def server_name(node: int) -> str:
     """The ``server_name`` of node ``node`` (1-based): ``jsqueue-<node>``."""
-    return f"jsqueue-{node}"
+    return f"{SERVER_NAME_PREFIX}{node}"
 
 
 def _free_ports(host: str, n: int) -> list[int]:
@@ -173,7 +175,7 @@ class EmbeddedCluster:
             implied by ``client_port=0``).
         host: loopback address every node listens on.
         ready_timeout_s: how long :meth:`start` waits for each node and then for the
-            JetStream meta leader, seconds.
+            JetStream meta and stream leaders, seconds.
     """
 
     def __init__(
@@ -221,9 +223,9 @@ class EmbeddedCluster:
         """
         index = name_or_index
         if isinstance(name_or_index, str):
-            prefix = server_name(0)[:-1]
-            tail = name_or_index.removeprefix(prefix)
-            index = int(tail) if name_or_index.startswith(prefix) and tail.isdigit() else 0
+            tail = name_or_index.removeprefix(SERVER_NAME_PREFIX)
+            named = name_or_index.startswith(SERVER_NAME_PREFIX) and tail.isdigit()
+            index = int(tail) if named else 0
         assert isinstance(index, int)
         if not 1 <= index <= len(self.nodes):
             raise JsqueueError(f"no node {name_or_index!r} in a cluster of {len(self.nodes)}")
@@ -254,7 +256,8 @@ class EmbeddedCluster:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start every node not running and wait for the JetStream meta leader.
+        """Start every node not running; wait for the JetStream meta leader and a leader
+        of every existing stream (:meth:`wait_for_jetstream`).
 
         Raises:
             JsqueueError: the binary is missing, a port is taken (fixed ports; with free

@@ -41,9 +41,11 @@ not what makes the sweep safe): a KV key created if absent with a per-message TT
 **Cost of a pass.** Five stream-info requests (entry keys, work subjects, body meta and
 chunk subjects, paged at 100k; no consumer), then reads only of entries that have no work
 item at all (in a healthy queue: the final DSN entries of the retention period and entries
-in transit). Every ``full_scan_every``-th pass reads every entry (to find an entry that
-lost the work item of one of several domains) and every body meta (to find unreferenced
-chunks); other passes read body metas only when there are more chunk sets than bodies. A
+in transit; the key of a deleted entry stays listed until its marker expires, and is read
+once, not every pass). Every ``full_scan_every``-th pass reads every key (to find an entry
+that lost the work item of one of several domains) and every body meta (to find
+unreferenced chunks); other passes read body metas only when there are more chunk sets than
+bodies. A
 subject that holds only a stale item (an older generation) counts as present until a worker
 drops that item; the next pass sees the gap.
 """
@@ -80,6 +82,7 @@ from jsqueue.errors import (
     JsqueueError,
     ProvisioningError,
     RevisionConflict,
+    StoreError,
     StoreUnavailable,
 )
 from jsqueue.names import Names, check_queue_id
@@ -95,6 +98,8 @@ log = logging.getLogger("jsqueue.reconciler")
 
 #: Entries read (or body metas fetched) concurrently during a pass.
 READ_BATCH = 64
+#: How long stopping waits for the lock release, seconds.
+RELEASE_TIMEOUT_S = 2.0
 #: Key of the reconciler lock in the lock bucket.
 LOCK_KEY = "reconciler"
 
@@ -351,6 +356,7 @@ class Reconciler:
         self.passes = 0
         self.last_report: Report | None = None
         self._renewed_at = 0.0
+        self._gone: set[str] = set()  # keys read as deleted by the last passes
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sweep every ``interval_s`` seconds until ``stop`` is set; first sweep at once.
@@ -370,11 +376,16 @@ class Reconciler:
                     log.debug("reconciler: %s", e)
                 except StoreUnavailable as e:
                     log.warning("reconciler pass failed: %s", e)
+                except Exception:  # a bug must not end the sweeping for good: log, go on
+                    log.exception("reconciler pass failed unexpectedly")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.settings.interval_s)
         finally:
-            with contextlib.suppress(JsqueueError):
-                await self.lock.release()
+            # Bounded: with NATS gone a release would wait out the request timeout, and the
+            # lock expires on its own anyway.
+            with contextlib.suppress(JsqueueError, TimeoutError):
+                async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                    await self.lock.release()
 
     async def _keep_lock(self) -> None:
         """Renew the lock when a third of its TTL has passed since the last renewal.
@@ -419,15 +430,24 @@ class Reconciler:
             qid = queue_id_of_subject(self.names, s)
             if qid is not None:
                 with_trigger.setdefault(qid, set()).add(s)
-        to_read = sorted(ids if full else ids - with_trigger.keys())
-        live: set[str] = ids - set(to_read)
+        # Keys of deleted entries stay listed until their marker expires: read each once.
+        known_gone = set() if full else self._gone & ids
+        to_read = sorted(ids if full else ids - with_trigger.keys() - known_gone)
+        live: set[str] = ids - set(to_read) - known_gone
+        self._gone = set(known_gone)
         for i in range(0, len(to_read), READ_BATCH):
             await self._keep_lock()
             batch = to_read[i : i + READ_BATCH]
-            entries = await asyncio.gather(*(self._read(qid) for qid in batch))
+            entries = await asyncio.gather(*(self._scan_read(qid) for qid in batch))
             report.entries_read += len(batch)
-            for entry in entries:
+            for qid, entry in zip(batch, entries, strict=True):
                 if entry is None:
+                    self._gone.add(qid)
+                    continue
+                if isinstance(entry, StoreError):
+                    live.add(qid)  # its body is not an orphan
+                    report.reported.append(qid)
+                    log.error("reconciler: queue %s: %s; needs an operator", qid, entry)
                     continue
                 live.add(entry.id)
                 actions = review(
@@ -465,6 +485,15 @@ class Reconciler:
             return (await self.stores.entries.get(queue_id)).entry
         except EntryNotFound:
             return None
+
+    async def _scan_read(self, queue_id: str) -> Entry | StoreError | None:
+        """:meth:`_read`, with an unreadable entry (not an outage) as a value to report."""
+        try:
+            return await self._read(queue_id)
+        except StoreUnavailable:
+            raise
+        except StoreError as e:
+            return e
 
     async def _act(self, action: Action, report: Report) -> None:
         """Re-decide ``action`` from fresh reads and carry it out if it still holds."""

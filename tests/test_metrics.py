@@ -202,7 +202,7 @@ async def test_attempt_log_line_as_json(
     assert data["mx"] == "mx.dest.example.test"
     assert data["reply"].startswith("250")
     assert data["attempts"] == 1
-    assert data["delay_s"] >= 0 and data["age_s"] >= data["delay_s"]
+    assert data["took_s"] >= 0 and data["delay_s"] >= data["took_s"]
     assert data["next_attempt_at"] is None
     assert f"queue={qid}" in data["message"] and "outcome=delivered" in data["message"]
     assert re.match(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", data["time"])

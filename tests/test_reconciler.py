@@ -27,6 +27,7 @@ from jsqueue.reconciler import (
     review,
 )
 from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.jetstream import JetStreamEntryStore
 from support.cluster import JsqueueProc, free_port, jsqueue_env
 from support.mx import SmtpdMx
 from support.nats import chunks_of, make_entry
@@ -222,6 +223,14 @@ async def test_consistent_entries_are_left_alone(
     assert full.requeued == [] and full.entries_read == 5  # the re-queued one has work now
     assert not (full.removed or full.finished or full.orphan_bodies or full.reported)
     assert await h.stores.scheduler.backlog() == 2
+    # a deleted entry's key stays listed (marker) for a while: read once, then remembered
+    await h.stores.entries.delete(young.id)
+    await h.stores.bodies.delete(young.id)
+    first = await rec.run_once(full=False)
+    again = await rec.run_once(full=False)
+    assert (first.entries_listed, first.entries_read) == (5, 3)  # held, leased, deleted
+    assert (again.entries_listed, again.entries_read) == (5, 2)  # held, leased
+    assert (await rec.run_once(full=True)).entries_read == 5
 
 
 async def test_orphan_bodies_and_chunks(
@@ -382,3 +391,25 @@ async def test_only_one_reconciler_sweeps_at_a_time(
         stop_a.set()
         stop_b.set()
         await asyncio.gather(ta, tb)
+
+
+async def test_unreadable_entry_is_reported_and_the_pass_goes_on(
+    queue_harness: Harness, make_reconciler: MakeReconciler
+) -> None:
+    """A KV value that is not an entry stops neither the pass nor the next ones; its body
+    is not taken for an orphan."""
+    h = queue_harness
+    rec = await make_reconciler()
+    entries = h.stores.entries
+    assert isinstance(entries, JetStreamEntryStore)
+    bad = new_queue_id()
+    await h.stores.bodies.put(bad, chunks_of(b"Subject: x\r\n\r\nx\r\n"))
+    await entries.js.publish(f"$KV.{entries.bucket}.{bad}", b"not an entry")
+    lost = entry()
+    await store(h.stores, lost)
+    rec.clock = shifted(timedelta(seconds=SETTINGS.orphan_after_s + 60))
+    report = await rec.run_once(full=True)
+    assert report.reported == [bad]
+    assert report.requeued == [WorkItem(lost.id, DOMAIN)]
+    assert report.orphan_bodies == []
+    assert (await h.stores.bodies.info(bad)).size > 0
