@@ -4,8 +4,10 @@ One command (``make bench`` or ``python bench/compare.py``) runs every scenario 
 
 * **jsqueue** as real processes through its CLI: ``jsqueue nats`` (the embedded
   nats-server, ``sync_interval: always``: every write is fsynced before it is
-  acknowledged), ``jsqueue smtp`` (front end) and ``jsqueue worker``; the worker resolves
-  the benchmark domains through a DNS server on loopback (``tests/support/dns.py``);
+  acknowledged), ``jsqueue smtp`` (front end) and ``jsqueue worker`` (``--workers``);
+  the worker sends to the sink as its smarthost (``--routing static``, the default: no
+  DNS, like Postfix's transport map) or resolves MX records through a DNS server on
+  loopback (``--routing dns``, ``tests/support/dns.py``);
 * **Postfix** (Debian's package) as a relay: its cleanup fsyncs each queue file before
   smtpd answers ``250`` (Postfix's default); ``transport_maps`` send each domain to its
   sink, no DNS.
@@ -23,14 +25,17 @@ Scenarios (``--messages`` scales the first; the others default to a quarter of i
    the sink has them all);
 2. 4 KB, 10 recipients over 2 domains (5 + 5), 20 sessions;
 3. 100 KB, 1 recipient, 20 sessions;
-4. latency from the ``250`` to arrival at the sink (the dump file's mtime), p50 / p99, at
-   a light load (one session, ``--latency-rate`` messages per second);
+4. latency from the ``250`` to arrival at the sink (when the sink counted it; dump files
+   say which message it was), p50 / p99, at a light load (one session,
+   ``--latency-rate`` messages per second);
 5. jsqueue only: worker RSS with ``--deferred`` deferred entries (KV entries plus work
    items due in an hour, written straight to JetStream), then a delivery run on top.
 
 For each: rates, the ratio jsqueue / Postfix, CPU seconds per message (every process of
 the system; reaped children included), peak RSS of each jsqueue process. The table
-(markdown) is printed and saved under ``bench/results/`` with the date and the machine.
+(markdown) is printed and saved under ``bench/results/`` with the date and the machine;
+``--repeat`` runs each scenario several times (jsqueue and Postfix alternating) and
+reports medians.
 ``--profile`` also samples the front end and the worker with py-spy during scenario 1.
 
 Nothing leaves 127.0.0.0/8.

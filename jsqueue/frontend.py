@@ -7,8 +7,10 @@ caller's event loop) whose DATA handler:
    the body store in chunks while it is still arriving (the upload starts once a chunk is
    full, so a small or rejected message never touches the store before the terminator);
 2. creates the queue entry (reverse-path, recipients with ORCPT/NOTIFY, HELO name, client
-   address, size, digest, ENVID, RET, SMTPUTF8, 8-bit flag, arrival time);
-3. schedules one work item per distinct recipient domain;
+   address, size, digest, ENVID, RET, SMTPUTF8, 8-bit flag, arrival time) while the end of
+   the body is being stored (size and digest are computed as the message streams);
+3. once body and entry are both stored, schedules one work item per distinct recipient
+   domain (nothing acts on an entry before its work item exists);
 4. only then replies ``250 2.0.0 queued as <id>``.
 
 If any step fails or takes longer than ``smtp.store_timeout_s`` the client gets
@@ -18,12 +20,14 @@ entry, or an entry none of whose work items was published (the client was told 4
 send the message again).
 
 **Idempotent ingest.** With :attr:`Stores.ingest` present and ``smtp.dedupe_window_s`` > 0,
-the SHA-256 of the envelope and the client's content (:func:`ingest_key`) is recorded after a
-message is fully queued. A client that lost our 250 and sends the same transaction again
-within the window gets ``250`` with the first queue id and no second copy. The record is
-written only after every work item was published, so a remembered id always names a fully
-queued message. Two identical transactions *in flight at the same time* can both be queued
-(each looks the key up before the other records it): at worst a duplicate, never a loss.
+the SHA-256 of the envelope and the client's content (:func:`ingest_key`) is recorded with the
+work items, once body and entry are stored. A client that lost our 250 and sends the same
+transaction again within the window gets ``250`` with the first queue id and no second copy.
+A remembered id counts only while its entry exists: if the work items fail, the entry is
+deleted and the record ignored (should that delete fail too, the entry is one the reconciler
+re-queues, so the remembered id is still delivered). Two identical transactions *in flight
+at the same time* can both be queued (each looks the key up before the other records it): at
+worst a duplicate, never a loss.
 
 **Protocol choices** (RFC numbers cite the rule followed):
 
@@ -77,7 +81,7 @@ from aiosmtpd.smtp import SMTP, Envelope, syntax
 
 from jsqueue.config import SmtpSettings
 from jsqueue.envelope import Entry, Recipient, routing_domain, utcnow
-from jsqueue.errors import ConfigError, EntryNotFound, InvalidName, JsqueueError
+from jsqueue.errors import ConfigError, EntryNotFound, InvalidName, JsqueueError, StoreError
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.frontend_auth import UserDB
 from jsqueue.frontend_data import DataDecoder
@@ -289,6 +293,17 @@ async def _one_chunk(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
+async def _stopped(fut: asyncio.Future[Any] | None) -> None:
+    """Cancel ``fut`` unless done and wait until it has stopped; its outcome is not needed
+    (a failure is reported by whoever noticed first)."""
+    if fut is None:
+        return
+    fut.cancel()
+    await asyncio.wait((fut,))
+    if not fut.cancelled():
+        fut.exception()  # retrieved, so asyncio does not report it as lost
+
+
 class _BodyUpload:
     """Streams one message into :meth:`BodyStore.put` in :data:`BODY_CHUNK` chunks.
 
@@ -305,11 +320,20 @@ class _BodyUpload:
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
         self._task: asyncio.Task[BodyInfo] | None = None
         self._touched = False
+        self._digest = hashlib.sha256()
+        self.size = 0
         self.error: BaseException | None = None
+
+    @property
+    def expected(self) -> BodyInfo:
+        """Size and SHA-256 of everything written so far (what the store must report)."""
+        return BodyInfo(size=self.size, digest=self._digest.hexdigest())
 
     async def write(self, data: bytes) -> None:
         if self.error is not None:
             return
+        self._digest.update(data)
+        self.size += len(data)
         self._buf += data
         while len(self._buf) >= BODY_CHUNK and self.error is None:
             chunk = bytes(self._buf[:BODY_CHUNK])
@@ -935,13 +959,18 @@ class _Ingest:
                 content_sha256=content_sha256,
             )
         stage = "body"
+        body: asyncio.Future[BodyInfo] | None = None
+        expected = upload.expected
         try:
             async with asyncio.timeout(self._settings.store_timeout_s):
-                if key is not None:
-                    info, earlier = await asyncio.gather(upload.finish(), self._earlier_copy(key))
-                else:
-                    info, earlier = await upload.finish(), None
+                # Body, entry and ingest-log lookup go to the store at the same time, the
+                # work items (and the ingest record) once both are stored: two round trips
+                # before the 250 instead of four. An entry briefly without its body is never
+                # acted on: nothing triggers it before its work item exists.
+                body = asyncio.ensure_future(upload.finish())
+                earlier = await self._earlier_copy(key) if key is not None else None
                 if earlier is not None:
+                    await _stopped(body)
                     await upload.abort()
                     log.info("%s: resend of %s within the dedupe window", queue_id, earlier)
                     return f"{R250_QUEUED} {earlier}"
@@ -950,8 +979,8 @@ class _Ingest:
                     reverse_path=txn.reverse_path,
                     recipients=txn.recipients,
                     created_at=utcnow(),
-                    size=info.size,
-                    digest=info.digest,
+                    size=expected.size,
+                    digest=expected.digest,
                     helo=helo,
                     client_address=client_address,
                     envid=txn.envid,
@@ -960,21 +989,29 @@ class _Ingest:
                     body_8bit=eight_bit,
                 )
                 stage = "entry"
-                await self._stores.entries.create(entry)
+                info, _ = await asyncio.gather(body, self._stores.entries.create(entry))
+                if info != expected:
+                    raise StoreError(f"body store reports {info}, {expected} was sent")
                 stage = "work"
+                # The ingest record goes with the work items: should they fail, the entry
+                # is deleted and a lookup that finds the record but no entry ignores it.
                 await asyncio.gather(
-                    *(self._stores.scheduler.schedule(WorkItem(queue_id, d)) for d in entry.domains)
+                    *(
+                        self._stores.scheduler.schedule(WorkItem(queue_id, d))
+                        for d in entry.domains
+                    ),
+                    *([self._record(key, queue_id)] if key is not None else []),
                 )
         except (JsqueueError, TimeoutError, OSError) as e:
             log.warning("%s: not queued (%s failed: %r); answering 451", queue_id, stage, e)
+            await _stopped(body)
             await self._cleanup(queue_id, upload, stage)
             return str(R451_LOCAL_ERROR)
         except Exception:  # a bug: still never 250 for what is not stored, and say so loudly
             log.exception("%s: not queued (%s failed unexpectedly); answering 451", queue_id, stage)
+            await _stopped(body)
             await self._cleanup(queue_id, upload, stage)
             return str(R451_LOCAL_ERROR)
-        if key is not None:
-            await self._record(key, queue_id)
         log.info(
             "%s: queued from=<%s> nrcpt=%d size=%d",
             queue_id,

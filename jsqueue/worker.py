@@ -24,7 +24,7 @@ from typing import Protocol
 
 from jsqueue import state
 from jsqueue.config import WorkerSettings
-from jsqueue.envelope import Entry, Notify, Recipient, RecipientState, Reply, utcnow
+from jsqueue.envelope import Entry, Recipient, Reply, utcnow
 from jsqueue.errors import EntryNotFound, RevisionConflict, StoreUnavailable
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
 from jsqueue.retry import RetryPolicy
@@ -60,15 +60,6 @@ class Notifier(Protocol):
         Idempotent: a DSN enqueued twice for the same event is stored once.
         """
         ...
-
-
-def _delivered_quietly(entry: Entry) -> bool:
-    """Every recipient delivered and no success DSN asked for (RFC 3461 NOTIFY): finishing
-    the entry owes nothing but its removal. DSN entries are kept (:meth:`Worker._finish`)."""
-    return not entry.is_dsn and all(
-        r.state is RecipientState.DELIVERED and not (r.notify and Notify.SUCCESS in r.notify)
-        for r in entry.recipients
-    )
 
 
 class Worker:
@@ -265,15 +256,6 @@ class Worker:
                 v.entry, item.domain, outcomes, now, self._policy(v.entry), self.rng
             )
             try:
-                if _delivered_quietly(new):
-                    # Nothing is left to record or to report: removing the entry by
-                    # compare-and-set records the outcome and finishes it in one write
-                    # (instead of record, then delete); the body goes after it.
-                    await self.stores.entries.delete(new.id, revision=v.revision)
-                    self._log_attempt(new, item.domain, recorded, started, now)
-                    await self._drop_body(new.id)
-                    await due.ack()
-                    return
                 v = Versioned(new, await self.stores.entries.update(new, v.revision))
                 break
             except RevisionConflict:
@@ -286,15 +268,6 @@ class Worker:
             await due.ack()
         else:
             await due.retry(recorded.retry_delay_s)
-
-    async def _drop_body(self, queue_id: str) -> None:
-        """Delete the body of a removed entry; one left behind is the reconciler's."""
-        try:
-            await self.stores.bodies.delete(queue_id)
-        except StoreUnavailable as e:
-            log.warning("queue %s: done, but the body delete failed (%s)", queue_id, e)
-        else:
-            log.info("queue %s: done, removed", queue_id)
 
     async def _heartbeat(self, due: Due) -> None:
         """Keep the work item alive during long SMTP sessions (in-progress acks)."""
