@@ -422,79 +422,36 @@ def _bulk(
         raise typer.Exit(exit_code)
 
 
-@queue_app.command("flush")
-def queue_flush(
-    ids: IdsArgument = None,
-    states: StateOption = None,
-    domain: DomainOption = None,
-    sender: SenderOption = None,
-    min_age: MinAgeOption = None,
-    max_age: MaxAgeOption = None,
-    all_: AllOption = False,
-    as_json: JsonOption = False,
-) -> None:
-    """Deliver now, overriding the backoff (with --domain: only that destination)."""
-    _bulk(Action.FLUSH, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+_BULK_HELP = {
+    Action.FLUSH: "Deliver now, overriding the backoff (with --domain: only that destination).",
+    Action.HOLD: "Put entries on hold: nothing is attempted until they are released.",
+    Action.RELEASE: "Release held entries and deliver them now.",
+    Action.DELETE: "Delete entries with their bodies and work items; no DSN is sent.",
+    Action.BOUNCE: "Bounce every open recipient (550 5.7.1) and send the DSN to the sender.",
+}
 
 
-@queue_app.command("hold")
-def queue_hold(
-    ids: IdsArgument = None,
-    states: StateOption = None,
-    domain: DomainOption = None,
-    sender: SenderOption = None,
-    min_age: MinAgeOption = None,
-    max_age: MaxAgeOption = None,
-    all_: AllOption = False,
-    as_json: JsonOption = False,
-) -> None:
-    """Put entries on hold: nothing is attempted until they are released."""
-    _bulk(Action.HOLD, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+def _register_bulk(action: Action) -> None:
+    """``jsqueue queue <action> [ID…] [filters] [--all]``: one command per admin action."""
+
+    def command(
+        ids: IdsArgument = None,
+        states: StateOption = None,
+        domain: DomainOption = None,
+        sender: SenderOption = None,
+        min_age: MinAgeOption = None,
+        max_age: MaxAgeOption = None,
+        all_: AllOption = False,
+        as_json: JsonOption = False,
+    ) -> None:
+        _bulk(action, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+
+    command.__doc__ = _BULK_HELP[action]
+    queue_app.command(action.value)(command)
 
 
-@queue_app.command("release")
-def queue_release(
-    ids: IdsArgument = None,
-    states: StateOption = None,
-    domain: DomainOption = None,
-    sender: SenderOption = None,
-    min_age: MinAgeOption = None,
-    max_age: MaxAgeOption = None,
-    all_: AllOption = False,
-    as_json: JsonOption = False,
-) -> None:
-    """Release held entries and deliver them now."""
-    _bulk(Action.RELEASE, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
-
-
-@queue_app.command("delete")
-def queue_delete(
-    ids: IdsArgument = None,
-    states: StateOption = None,
-    domain: DomainOption = None,
-    sender: SenderOption = None,
-    min_age: MinAgeOption = None,
-    max_age: MaxAgeOption = None,
-    all_: AllOption = False,
-    as_json: JsonOption = False,
-) -> None:
-    """Delete entries with their bodies and work items; no DSN is sent."""
-    _bulk(Action.DELETE, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
-
-
-@queue_app.command("bounce")
-def queue_bounce(
-    ids: IdsArgument = None,
-    states: StateOption = None,
-    domain: DomainOption = None,
-    sender: SenderOption = None,
-    min_age: MinAgeOption = None,
-    max_age: MaxAgeOption = None,
-    all_: AllOption = False,
-    as_json: JsonOption = False,
-) -> None:
-    """Bounce every open recipient (550 5.7.1) and send the DSN to the sender."""
-    _bulk(Action.BOUNCE, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
+for _action in Action:
+    _register_bulk(_action)
 
 
 @events_app.command("tail")
