@@ -169,8 +169,9 @@ async def run_services(
 
     def on_nats_exit() -> None:
         nonlocal nats_died
-        nats_died = True
-        stop.set()
+        if not stop.is_set():  # Ctrl-C reaches the child too; that is not a death
+            nats_died = True
+            stop.set()
 
     async with contextlib.AsyncExitStack() as stack:
         if embedded:
