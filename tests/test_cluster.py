@@ -24,7 +24,7 @@ import pytest
 
 from jsqueue.config import NatsSettings, Settings
 from jsqueue.envelope import utcnow
-from jsqueue.errors import JsqueueError, RevisionConflict
+from jsqueue.errors import JsqueueError, RevisionConflict, StoreUnavailable
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_cluster import EmbeddedCluster, cluster_config
 from jsqueue.reconciler import Reconciler, open_reconciler
@@ -269,8 +269,16 @@ async def test_writes_ride_out_the_loss_of_the_stream_leader(
     for qid in ids:
         assert (await cluster_stores.entries.get(qid)).entry.id == qid
     got: list[WorkItem] = []
+    unavailable = 0
     while len(got) < len(ids):
-        batch = await cluster_stores.scheduler.fetch(100, 5.0)
+        try:
+            batch = await cluster_stores.scheduler.fetch(100, 5.0)
+        except StoreUnavailable:
+            # the consumer may still be electing its own leader: a worker retries too
+            unavailable += 1
+            assert unavailable <= 10, "the work consumer never came back"
+            await asyncio.sleep(1.0)
+            continue
         assert batch, f"only {len(got)} work items"
         got += [d.item for d in batch]
         for d in batch:
