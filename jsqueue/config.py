@@ -158,6 +158,12 @@ class WorkerSettings(_Section):
     data_final_timeout_s: float = Field(600.0, gt=0, description="reply to the dot, seconds")
     lease_s: float = Field(600.0, gt=0, description="claim lease per delivery, seconds")
     drain_timeout_s: float = Field(20.0, gt=0, description="SIGTERM drain bound, seconds")
+    connection_cache_s: float = Field(
+        2.0, ge=0, description="idle outbound session kept for reuse, seconds; 0 = QUIT each"
+    )
+    connection_reuse_s: float = Field(
+        300.0, gt=0, description="no reuse of an outbound session older than this, seconds"
+    )
     body_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="local body cache size")
     body_cache_dir: Path | None = Field(None, description="cache dir; a temp dir when unset")
     smarthost: SmarthostSettings | None = Field(

@@ -14,7 +14,13 @@ from dataclasses import replace
 
 from jsqueue.bounce import DsnNotifier
 from jsqueue.config import Settings, WorkerSettings
-from jsqueue.delivery import BodySource, DeliveryEnvelope, Resolver, deliver_domain
+from jsqueue.delivery import (
+    BodySource,
+    ConnectionCache,
+    DeliveryEnvelope,
+    Resolver,
+    deliver_domain,
+)
 from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
 from jsqueue.envelope import Entry, Recipient, Reply
 from jsqueue.errors import JsqueueError
@@ -44,6 +50,11 @@ class SmtpDeliverer:
     def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
         self.resolver = resolver
         self.settings = settings
+        self.connections = ConnectionCache(
+            idle_s=settings.connection_cache_s,
+            max_age_s=settings.connection_reuse_s,
+            max_idle=settings.concurrency,
+        )
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: WorkerBody
@@ -59,9 +70,17 @@ class SmtpDeliverer:
             ret=entry.ret,
         )
         result = await deliver_domain(
-            self.resolver, envelope, BodySource(open=body, size=entry.size), self.settings
+            self.resolver,
+            envelope,
+            BodySource(open=body, size=entry.size),
+            self.settings,
+            self.connections,
         )
         return result.replies
+
+    async def close(self) -> None:
+        """See :meth:`jsqueue.worker.Deliverer.close`: QUIT the cached sessions."""
+        await self.connections.close()
 
 
 def nats_urls(settings: Settings) -> list[str]:

@@ -50,6 +50,10 @@ class Deliverer(Protocol):
         """
         ...
 
+    async def close(self) -> None:
+        """Release what outlives one attempt (cached SMTP sessions). Idempotent."""
+        ...
+
 
 class Notifier(Protocol):
     """Sends the DSNs a settled entry owes (RFC 3464); see :mod:`jsqueue.bounce`."""
@@ -146,6 +150,7 @@ class Worker:
                 if loop.time() - idle_since >= idle_exit_s:
                     break
         await self.drain()
+        await self.deliverer.close()
 
     async def drain(self) -> None:
         """Finish in-flight deliveries within the drain bound; give back the rest."""

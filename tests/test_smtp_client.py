@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from jsqueue.config import SmarthostSettings, TlsPolicy, WorkerSettings
-from jsqueue.delivery import BodySource, DeliveryEnvelope, MxTarget, deliver
+from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
 from support.cases import CASES
-from support.mx import CLOSE, SILENT, Certs, ScriptedMx, SmtpdMx, shared_port
+from support.mx import CLOSE, SILENT, Certs, ScriptedMx, Session, SmtpdMx, shared_port
 
 
 def case_file(case: str, name: str) -> bytes:
@@ -836,3 +836,159 @@ async def test_25mb_message_is_streamed_with_bounded_memory() -> None:
     assert size > 25_000_000
     print(f"peak growth {peak - baseline} octets")
     assert peak - baseline < size // 8, f"peak growth {peak - baseline} octets"
+
+
+# --- connection cache (RFC 5321 §4.1.1.4: a new transaction after end of data) -------------
+
+
+async def test_connection_cache_reuses_one_session_for_consecutive_deliveries() -> None:
+    """Two deliveries to one MX within the idle time share one connection: one greeting and
+    EHLO, two MAIL..DATA transactions, and QUIT only when the cache is closed."""
+    host = "127.0.2.90"
+    port = shared_port([host])
+    cache = ConnectionCache(idle_s=30.0)
+    async with SmtpdMx(host, port, name="mx.reuse.example.test") as mx:
+        for rcpt in ("a@reuse.example.test", "b@reuse.example.test"):
+            result = await deliver(
+                target("mx.reuse.example.test", host),
+                envelope(rcpt),
+                BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
+                settings_for(port),
+                cache,
+            )
+            assert result.replies[rcpt].code == 250
+            assert result.mx_host == "mx.reuse.example.test"
+        assert mx.connections == 1
+        assert [t.rcpt_to for t in mx.delivered] == [
+            ["a@reuse.example.test"],
+            ["b@reuse.example.test"],
+        ]
+        assert mx.sessions[0].verbs() == ["EHLO", "MAIL", "RCPT", "DATA", "MAIL", "RCPT", "DATA"]
+        assert cache.idle == 1
+        await cache.close()
+        await mx.wait_for(lambda: mx.sessions[0].closed)
+        assert mx.sessions[0].verbs()[-1] == "QUIT"
+        assert cache.idle == 0
+
+
+async def test_idle_session_gets_quit_after_the_idle_time() -> None:
+    """An unused cached session is closed with QUIT once ``idle_s`` passed."""
+    host = "127.0.2.91"
+    port = shared_port([host])
+    cache = ConnectionCache(idle_s=0.2)
+    async with SmtpdMx(host, port) as mx:
+        result = await deliver(
+            target("mx.example.test", host),
+            envelope("a@idle.example.test"),
+            BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
+            settings_for(port),
+            cache,
+        )
+        assert result.replies["a@idle.example.test"].code == 250
+        assert cache.idle == 1
+        await mx.wait_for(lambda: mx.sessions[0].closed)
+        assert mx.sessions[0].verbs() == ["EHLO", "MAIL", "RCPT", "DATA", "QUIT"]
+        assert cache.idle == 0
+
+
+@pytest.mark.parametrize("gone", [CLOSE, "421 4.4.2 mx.example.test idle timeout"])
+async def test_cached_session_that_died_is_replaced_within_the_attempt(gone: str) -> None:
+    """The server dropped (or 421-closed) the idle session: the next delivery reconnects to
+    the same MX at once and succeeds; the dead session costs no deferral."""
+    host = "127.0.2.92"
+    port = shared_port([host])
+    cache = ConnectionCache(idle_s=30.0)
+
+    def idle_timeout(session: Session, line: str) -> str | None:
+        return gone if line.upper().startswith("MAIL") and session.transactions else None
+
+    async with ScriptedMx(host, port, hook=idle_timeout) as mx:
+        for rcpt in ("a@dead.example.test", "b@dead.example.test"):
+            result = await deliver(
+                target("mx.example.test", host),
+                envelope(rcpt),
+                BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
+                settings_for(port),
+                cache,
+            )
+            assert result.replies[rcpt].code == 250, result.replies[rcpt]
+        assert mx.connections == 2
+        assert [len(s.transactions) for s in mx.sessions] == [1, 1]
+    await cache.close()
+
+
+@pytest.mark.parametrize(
+    ("script", "code"),
+    [
+        ({"mail": "450 4.7.1 greylisted"}, 450),  # the transaction never reached DATA
+        ({"end_of_data": "421 4.3.2 closing"}, 421),  # the server is going away
+    ],
+)
+async def test_no_reuse_after_an_unfinished_transaction(script: dict[str, str], code: int) -> None:
+    """Only a session whose transaction ended with a (non-421) reply to the final "." is
+    kept; any other ends with QUIT as before."""
+    host = "127.0.2.93"
+    port = shared_port([host])
+    cache = ConnectionCache(idle_s=30.0)
+    async with ScriptedMx(host, port, **script) as mx:  # type: ignore[arg-type]
+        result = await deliver(
+            target("mx.example.test", host),
+            envelope("a@grey.example.test"),
+            BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
+            settings_for(port),
+            cache,
+        )
+        assert result.replies["a@grey.example.test"].code == code
+        assert cache.idle == 0
+        await mx.wait_for(lambda: mx.sessions[0].closed)
+    await cache.close()
+
+
+async def test_session_older_than_the_reuse_limit_is_not_kept() -> None:
+    """``max_age_s`` bounds a session's life from its connect (RFC 5321 leaves session
+    length to the client; a long-lived session pins one MX address)."""
+    host = "127.0.2.94"
+    port = shared_port([host])
+    cache = ConnectionCache(idle_s=30.0, max_age_s=0.000001)
+    async with SmtpdMx(host, port) as mx:
+        await deliver(
+            target("mx.example.test", host),
+            envelope("a@old.example.test"),
+            BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
+            settings_for(port),
+            cache,
+        )
+        assert cache.idle == 0
+        await mx.wait_for(lambda: mx.sessions[0].closed)
+        assert mx.sessions[0].verbs()[-1] == "QUIT"
+    await cache.close()
+
+
+async def test_cached_plaintext_session_is_not_used_for_a_domain_requiring_tls(
+    certs: Certs,
+) -> None:
+    """The cache key includes the TLS policy: a plaintext session opened for a domain with
+    policy ``never`` is not reused for a domain sharing the MX whose policy is
+    ``required``; that one gets its own STARTTLS session (RFC 3207)."""
+    port = shared_port([TLS_HOST])
+    cache = ConnectionCache(idle_s=30.0)
+    settings = settings_for(
+        port,
+        tls=TlsPolicy.OPPORTUNISTIC,
+        tls_policies={"plain.example.test": "never", "secure.example.test": "required"},
+    )
+    async with tls_server(certs, "OK", port) as mx:
+        for rcpt in ("a@plain.example.test", "b@secure.example.test", "c@secure.example.test"):
+            result = await deliver(
+                target(TLS_NAME, TLS_HOST),
+                envelope(rcpt),
+                BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
+                settings,
+                cache,
+            )
+            assert result.replies[rcpt].code == 250
+        assert mx.connections == 2
+        assert [s.tls for s in mx.sessions] == [False, True]
+        assert [len(s.transactions) for s in mx.sessions] == [1, 2]
+        assert [t.tls for t in mx.transactions] == [False, True, True]
+    await cache.close()

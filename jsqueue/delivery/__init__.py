@@ -5,12 +5,14 @@ Typical use by the worker::
 
     resolver = resolver_from_settings(settings.worker)
     result = await deliver_domain(resolver, DeliveryEnvelope.from_entry(entry, domain),
-                                  BodySource(open=..., size=entry.size), settings.worker)
+                                  BodySource(open=..., size=entry.size), settings.worker,
+                                  ConnectionCache())  # sessions kept between deliveries
     result.replies  # {address: Reply} for every recipient of the domain
 """
 
 from jsqueue.delivery.client import (
     BodySource,
+    ConnectionCache,
     DeliveryEnvelope,
     DeliveryResult,
     deliver,
@@ -27,6 +29,7 @@ from jsqueue.delivery.resolver import (
 
 __all__ = [
     "BodySource",
+    "ConnectionCache",
     "DeliveryEnvelope",
     "DeliveryResult",
     "DnsResolver",

@@ -52,6 +52,12 @@ all, e.g. greylisting), RCPT replies, anything after a recipient was accepted. W
 target failed, every recipient gets the last session failure as a temporary reply.
 Commands are not pipelined (RFC 2920) in this version.
 
+Connection cache (:class:`ConnectionCache`, optional): after a completed transaction the
+session is kept open for the next delivery to the same target instead of QUIT, which then
+starts at MAIL (RFC 5321 §4.1.1.4: the end of mail data clears the server's transaction
+state). A cached session that fails before a recipient was accepted (the server closed it
+while idle, a 421) is dropped and the same target is tried at once on a new connection.
+
 Timeouts follow RFC 5321 §4.5.3.2 (``mail_timeout_s`` also bounds EHLO, STARTTLS and AUTH;
 ``data_block_timeout_s`` bounds each chunk's send).
 """
@@ -66,7 +72,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import aiosmtplib
 import idna
@@ -95,6 +101,7 @@ from jsqueue.replies import (
 __all__ = [
     "MAX_CONVERT_OCTETS",
     "BodySource",
+    "ConnectionCache",
     "DeliveryEnvelope",
     "DeliveryResult",
     "deliver",
@@ -221,6 +228,7 @@ async def deliver_domain(
     envelope: DeliveryEnvelope,
     body: BodySource,
     settings: WorkerSettings,
+    cache: ConnectionCache | None = None,
 ) -> DeliveryResult:
     """Resolve ``envelope.domain`` and :func:`deliver`; resolver errors become replies.
 
@@ -232,7 +240,7 @@ async def deliver_domain(
         targets = await resolver.resolve(envelope.domain)
     except DeliveryError as e:
         return DeliveryResult(replies={r.address: e.reply for r in envelope.recipients})
-    return await deliver(targets, envelope, body, settings)
+    return await deliver(targets, envelope, body, settings, cache)
 
 
 async def deliver(
@@ -240,6 +248,7 @@ async def deliver(
     envelope: DeliveryEnvelope,
     body: BodySource,
     settings: WorkerSettings,
+    cache: ConnectionCache | None = None,
 ) -> DeliveryResult:
     """Run one delivery attempt over ``targets``; see the module docstring for the rules.
 
@@ -248,6 +257,7 @@ async def deliver(
         envelope: reverse-path, recipients of one domain and the message's flags.
         body: the raw message; opened once per session that sends DATA.
         settings: timeouts (seconds), TLS policy, EHLO name, MX port, smarthost AUTH.
+        cache: sessions to reuse and to give the session back to; None = QUIT after each.
 
     Returns:
         one reply per recipient address; never raises for network, protocol or TLS errors.
@@ -258,14 +268,14 @@ async def deliver(
     if not targets:
         reply = _detail(R451_CONNECT_FAILED, "no mail exchanger to try")
         return DeliveryResult(replies={r.address: reply for r in recipients})
-    cache = _BodyCache(body)
+    body_cache = _BodyCache(body)
     last = _detail(R451_CONNECT_FAILED, "no mail exchanger answered")
     for target in targets:
         allow_tls = True
         while True:
-            session = _Session(target, envelope, recipients, cache, settings, allow_tls)
+            session = _Session(target, envelope, recipients, body_cache, settings, allow_tls)
             try:
-                return await session.run()
+                return await session.run(cache)
             except _TlsFallback as e:
                 log.warning(
                     "%s [%s]: STARTTLS failed (%s); retrying in plaintext (opportunistic TLS)",
@@ -483,6 +493,131 @@ class _BodyCache:
         return self._converted
 
 
+async def _quit(smtp: aiosmtplib.SMTP, where: str) -> None:
+    """QUIT (bounded by :data:`_QUIT_TIMEOUT_S`) and close; never raises."""
+    try:
+        if smtp.is_connected:
+            await smtp.execute_command(b"QUIT", timeout=_QUIT_TIMEOUT_S)
+    except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+        log.debug("%s: QUIT failed: %s", where, e)
+    finally:
+        smtp.close()
+
+
+class _CacheKey(NamedTuple):
+    """What a cached session must match to be reused: the same MX host name (the name
+    in replies, SNI and certificate checks), address and port, the same hop kind (relay
+    sessions are authenticated) and the same TLS policy and fallback state."""
+
+    host: str
+    address: str
+    port: int
+    relay: bool
+    policy: TlsPolicy
+    allow_tls: bool
+
+
+@dataclass
+class _Idle:
+    """A connected session between transactions, as the cache keeps it."""
+
+    smtp: aiosmtplib.SMTP
+    extensions: dict[str, str]
+    tls: bool
+    tls_version: str | None
+    opened_at: float
+    timer: asyncio.TimerHandle | None = None
+
+
+class ConnectionCache:
+    """Outbound SMTP sessions kept open between deliveries to the same target.
+
+    A session whose transaction completed (the reply to the final ``.`` was read, and it
+    was not 421) is kept idle for ``idle_s`` seconds instead of being closed with QUIT; the
+    next delivery to the same target (MX host name, address, port, TLS policy) within that
+    time starts at MAIL, without TCP connect, greeting, EHLO, STARTTLS or AUTH (RFC 5321
+    §4.1.1.4: the end of mail data resets the server's transaction state). A session is
+    not reused once ``max_age_s`` seconds passed since its connect. The roles of Postfix's
+    ``smtp_connection_cache_time_limit`` and ``smtp_connection_reuse_time_limit``.
+
+    Idle sessions past ``idle_s`` get QUIT in the background; :meth:`close` QUITs every
+    idle session and waits for that. Not thread-safe (one event loop).
+
+    Args:
+        idle_s: seconds an idle session is kept; 0 keeps none (every session ends in QUIT).
+        max_age_s: seconds from connect after which a session is no longer reused.
+        max_idle: idle sessions kept per target at most (more are closed).
+    """
+
+    def __init__(self, idle_s: float = 2.0, max_age_s: float = 300.0, max_idle: int = 20) -> None:
+        self.idle_s = idle_s
+        self.max_age_s = max_age_s
+        self.max_idle = max_idle
+        self._idle: dict[_CacheKey, list[_Idle]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def idle(self) -> int:
+        """Idle sessions held right now."""
+        return sum(len(v) for v in self._idle.values())
+
+    def take(self, key: _CacheKey) -> _Idle | None:
+        """The most recently used idle session for ``key`` still fit for reuse, or None."""
+        pool = self._idle.get(key)
+        now = asyncio.get_running_loop().time()
+        while pool:
+            idle = pool.pop()
+            if idle.timer is not None:
+                idle.timer.cancel()
+            if now - idle.opened_at < self.max_age_s and idle.smtp.is_connected:
+                return idle
+            self._close(key, idle)
+        return None
+
+    def put(self, key: _CacheKey, idle: _Idle) -> bool:
+        """Keep ``idle`` for reuse; False (and nothing kept) when the cache will not."""
+        loop = asyncio.get_running_loop()
+        pool = self._idle.setdefault(key, [])
+        if (
+            self._closed
+            or self.idle_s <= 0
+            or len(pool) >= self.max_idle
+            or loop.time() - idle.opened_at >= self.max_age_s
+        ):
+            return False
+        idle.timer = loop.call_later(self.idle_s, self._expire, key, idle)
+        pool.append(idle)
+        return True
+
+    def _expire(self, key: _CacheKey, idle: _Idle) -> None:
+        pool = self._idle.get(key)
+        if pool is not None and idle in pool:
+            pool.remove(idle)
+            if not pool:
+                del self._idle[key]
+            self._close(key, idle)
+
+    def _close(self, key: _CacheKey, idle: _Idle) -> None:
+        task = asyncio.get_running_loop().create_task(
+            _quit(idle.smtp, f"{key.host} [{key.address}] (idle)")
+        )
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """QUIT every idle session and keep no more. Idempotent."""
+        self._closed = True
+        for key, pool in list(self._idle.items()):
+            for idle in pool:
+                if idle.timer is not None:
+                    idle.timer.cancel()
+                self._close(key, idle)
+        self._idle.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
 class _Session:
     """One connection to one target (internal)."""
 
@@ -507,6 +642,9 @@ class _Session:
         self.tls_version: str | None = None
         self.dsn = False
         self.converted = False
+        self.opened_at = 0.0
+        # Set once the reply to the final "." was read on a connection still usable.
+        self.reusable = False
         if target.relay and settings.smarthost is not None:
             # The relay hop's TLS policy is keyed by the relay's name, not the destination.
             self.policy = settings.tls_policies.get(target.host.lower(), settings.tls)
@@ -598,6 +736,7 @@ class _Session:
             raise _NextMx(self._as_temporary(reply, "greeting")) from e
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             raise _NextMx(self._translate(e, "greeting").reply) from e
+        self.opened_at = loop.time()
         log.debug("%s: greeting %s", self._where(), greeting)
 
     def _as_temporary(self, reply: Reply, stage: str) -> Reply:
@@ -720,27 +859,56 @@ class _Session:
 
     # -- the session ---------------------------------------------------------------------
 
-    async def run(self) -> DeliveryResult:
+    def _cache_key(self) -> _CacheKey:
+        t = self.target
+        return _CacheKey(
+            t.host, t.address, t.port or self.settings.mx_port, t.relay, self.policy, self.allow_tls
+        )
+
+    async def run(self, cache: ConnectionCache | None = None) -> DeliveryResult:
+        if cache is not None:
+            idle = cache.take(self._cache_key())
+            if idle is not None:
+                self.smtp, self.tls, self.tls_version = idle.smtp, idle.tls, idle.tls_version
+                self.opened_at = idle.opened_at
+                try:
+                    result = await self._transaction(idle.extensions)
+                except _NextMx as e:
+                    # Closed while idle (EOF, 421 ...): not this target's fault, and no
+                    # recipient was accepted. Go on with a new connection.
+                    log.debug("%s: cached session unusable (%s); reconnecting", self._where(), e)
+                    await self._quit()
+                    self.smtp, self.tls, self.tls_version = None, False, None
+                else:
+                    await self._release(cache, idle.extensions)
+                    return result
+        extensions: dict[str, str] = {}
         try:
             await self._connect()
             extensions = await self._hello()
             extensions = await self._starttls(extensions)
             await self._auth()
-            return await self._transaction(extensions)
-        finally:
+            result = await self._transaction(extensions)
+        except BaseException:
             await self._quit()
+            raise
+        await self._release(cache, extensions)
+        return result
+
+    async def _release(self, cache: ConnectionCache | None, extensions: dict[str, str]) -> None:
+        """Hand a reusable connection to the cache; QUIT any other."""
+        smtp = self.smtp
+        if cache is not None and smtp is not None and self.reusable and smtp.is_connected:
+            idle = _Idle(smtp, extensions, self.tls, self.tls_version, self.opened_at)
+            if cache.put(self._cache_key(), idle):
+                self.smtp = None
+                return
+        await self._quit()
 
     async def _quit(self) -> None:
-        smtp = self.smtp
-        if smtp is None:
-            return
-        try:
-            if smtp.is_connected:
-                await smtp.execute_command(b"QUIT", timeout=_QUIT_TIMEOUT_S)
-        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
-            log.debug("%s: QUIT failed: %s", self._where(), e)
-        finally:
-            smtp.close()
+        smtp, self.smtp = self.smtp, None
+        if smtp is not None:
+            await _quit(smtp, self._where())
 
     async def _transaction(self, extensions: dict[str, str]) -> DeliveryResult:
         env = self.envelope
@@ -914,7 +1082,9 @@ class _Session:
             return accepted_get(failure.reply)
         finally:
             await _aclose(iterator)
-        return accepted_get(to_reply(response, self.host))
+        reply = to_reply(response, self.host)
+        self.reusable = reply.code != 421
+        return accepted_get(reply)
 
     def _abort(self) -> None:
         """Drop the connection without the terminator: the server discards the message."""

@@ -165,6 +165,16 @@ class Session:
         """The command verbs in order, upper case (``["EHLO", "MAIL", ...]``)."""
         return [c.split(" ", 1)[0].upper() for c in self.commands]
 
+    def rcpt_counts(self) -> list[int]:
+        """RCPT commands sent after each MAIL, in order (a reused session has several)."""
+        counts: list[int] = []
+        for verb in self.verbs():
+            if verb == "MAIL":
+                counts.append(0)
+            elif verb == "RCPT" and counts:
+                counts[-1] += 1
+        return counts
+
 
 class _MxBase:
     """Shared recording and lifecycle."""
