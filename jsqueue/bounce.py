@@ -59,16 +59,7 @@ class DsnNotifier:
         """
         marked = entry.model_copy(deep=True)
         changed = False
-        for event in _EVENTS:
-            rcpts = dsn.recipients_to_report(
-                entry,
-                event,
-                now=now,
-                delay_warning_after_s=self.settings.delay_warning_after_s,
-                delay_warning_interval_s=self.settings.delay_warning_interval_s,
-            )
-            if not rcpts:
-                continue
+        for event, rcpts in self._reports(entry, now):
             await self._enqueue(entry, entry.reverse_path, rcpts, event, now)
             addresses = {r.address for r in rcpts}
             for r in marked.recipients:
@@ -78,17 +69,34 @@ class DsnNotifier:
                     else:
                         r.dsn_sent = True
             changed = True
-        if entry.reverse_path == "" or entry.is_dsn:
-            changed |= await self._double_bounce(entry, marked, now)
+        changed |= await self._double_bounce(entry, marked, now)
         return marked if changed else None
+
+    def owes(self, entry: Entry, now: datetime) -> bool:
+        """Whether :meth:`notify` would enqueue or mark anything for ``entry`` (no I/O).
+
+        False lets the worker remove a final entry without recording its outcome first.
+        """
+        return bool(self._reports(entry, now) or _double_bounced(entry))
+
+    def _reports(self, entry: Entry, now: datetime) -> list[tuple[dsn.DsnEvent, list[Recipient]]]:
+        """The DSNs owed: (event, recipients to list) for every event with recipients."""
+        found = []
+        for event in _EVENTS:
+            rcpts = dsn.recipients_to_report(
+                entry,
+                event,
+                now=now,
+                delay_warning_after_s=self.settings.delay_warning_after_s,
+                delay_warning_interval_s=self.settings.delay_warning_interval_s,
+            )
+            if rcpts:
+                found.append((event, rcpts))
+        return found
 
     async def _double_bounce(self, entry: Entry, marked: Entry, now: datetime) -> bool:
         """A DSN (or other mail from ``<>``) failed for good: drop it, log, maybe copy."""
-        failed = [
-            r
-            for r in entry.recipients
-            if r.state in (RecipientState.FAILED, RecipientState.BOUNCED) and not r.dsn_sent
-        ]
+        failed = _double_bounced(entry)
         if not failed:
             return False
         for r in failed:
@@ -170,6 +178,18 @@ class DsnNotifier:
         if full:
             return bytes(data)
         return dsn.header_block(bytes(data), complete=True) or b""
+
+
+def _double_bounced(entry: Entry) -> list[Recipient]:
+    """Recipients of mail from ``<>`` (or of a DSN) that failed for good and were not yet
+    dropped: they get no DSN (RFC 5321 §4.5.5), only a log line and a postmaster copy."""
+    if not (entry.reverse_path == "" or entry.is_dsn):
+        return []
+    return [
+        r
+        for r in entry.recipients
+        if r.state in (RecipientState.FAILED, RecipientState.BOUNCED) and not r.dsn_sent
+    ]
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

@@ -65,6 +65,10 @@ class Notifier(Protocol):
         """
         ...
 
+    def owes(self, entry: Entry, now: datetime) -> bool:
+        """Whether :meth:`notify` would enqueue or mark anything (pure, no I/O)."""
+        ...
+
 
 class Worker:
     """One worker process's delivery loop.
@@ -249,6 +253,7 @@ class Worker:
         # First try on the claimed version (no re-read): a change since the claim fails
         # the compare-and-set, and only then is the entry read again.
         v: Versioned | None = claimed
+        removed = False
         for attempt in range(CAS_TRIES):
             if attempt:
                 v = await self._get(item.queue_id)
@@ -261,18 +266,34 @@ class Worker:
                 v.entry, item.domain, outcomes, now, self._policy(v.entry), self.rng
             )
             try:
-                v = Versioned(new, await self.stores.entries.update(new, v.revision))
+                if self._removable(new, now):
+                    # Done and nothing owed: the compare-and-set that would record the
+                    # outcome removes the entry instead (one synced write less). The body
+                    # goes after it; a crash in between leaves an orphan body for the
+                    # reconciler, never an entry without its body.
+                    await self.stores.entries.delete(new.id, revision=v.revision)
+                    v, removed = Versioned(new, v.revision), True
+                else:
+                    v = Versioned(new, await self.stores.entries.update(new, v.revision))
                 break
             except RevisionConflict:
                 continue
         else:
             raise RevisionConflict(f"queue {item.queue_id}: could not record outcomes")
         self._log_attempt(v.entry, item.domain, recorded, started, now)
-        await self._finish(v)
+        if removed:
+            await self.stores.bodies.delete(v.entry.id)
+            log.info("queue %s: done, removed", v.entry.id)
+        else:
+            await self._finish(v)
         if recorded.retry_delay_s is None:
             await due.ack()
         else:
             await due.retry(recorded.retry_delay_s)
+
+    def _removable(self, entry: Entry, now: datetime) -> bool:
+        """Final, not a DSN (those stay, see :meth:`_finish`) and owing no DSN."""
+        return entry.is_final and not entry.is_dsn and not self.notifier.owes(entry, now)
 
     async def _heartbeat(self, due: Due) -> None:
         """Keep the work item alive during long SMTP sessions (in-progress acks)."""

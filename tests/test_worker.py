@@ -15,6 +15,8 @@ from email.message import EmailMessage
 import pytest
 
 from jsqueue.envelope import RecipientState
+from jsqueue.errors import BodyNotFound
+from jsqueue.store.jetstream import JetStreamEntryStore
 from support.cases import case_message, case_text
 from support.mx import ScriptedMx, SmtpdMx, ipv6_loopback_available
 from support.queue import Harness, eventually
@@ -428,3 +430,34 @@ mx.cache.example.test. 300 IN A 127.0.2.13
         await mx.wait_for(lambda: mx.sessions[0].closed)
         assert mx.sessions[0].verbs().count("MAIL") == 3
         assert mx.sessions[0].verbs()[-1] == "QUIT"
+
+
+async def test_delivered_entry_is_removed_by_the_compare_and_set_that_records_it(
+    queue_harness: Harness,
+) -> None:
+    """DESIGN.md §2.3 with one synced write less: claim, then a CAS *delete* at the claimed
+    revision when every recipient is delivered and no DSN is owed, instead of recording the
+    outcome and deleting after. The entries stream sees exactly two writes per delivery."""
+    h = queue_harness
+    h.dns.add(
+        SENDER_ZONE
+        + """
+writes.example.test.    300 IN MX 10 mx.writes.example.test.
+mx.writes.example.test. 300 IN A 127.0.2.14
+"""
+    )
+    entries = h.stores.entries
+    assert isinstance(entries, JetStreamEntryStore)
+
+    async def last_seq() -> int:
+        return (await entries.js.stream_info(entries.stream)).state.last_seq
+
+    async with SmtpdMx("127.0.2.14", h.mx_port) as mx:
+        qid = await h.submit(case_message("CASE-07"), ["u@writes.example.test"])
+        created = await last_seq()
+        async with h.running():
+            await eventually(lambda: gone(h, qid), what="entry removed")
+        assert len(mx.delivered) == 1
+        assert await last_seq() - created == 2, "claim + delete"
+        with pytest.raises(BodyNotFound):
+            await h.stores.bodies.info(qid)

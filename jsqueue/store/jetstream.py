@@ -106,6 +106,9 @@ PUBLISH_ATTEMPTS = 3
 RETRY_PAUSE_S = 0.25
 #: Longest pause between retries of a publish, seconds.
 RETRY_PAUSE_MAX_S = 1.0
+#: How long creating a stream or consumer waits out a cluster that cannot place it yet
+#: (peers not yet known online after a start or restart; a stream leader election), seconds.
+PLACEMENT_WAIT_S = 20.0
 #: nats-py reconnect pause per server, seconds.
 RECONNECT_WAIT_S = 0.5
 #: Concurrent direct gets when scanning the KV bucket.
@@ -123,6 +126,9 @@ _MARKER_REASON = "Nats-Marker-Reason"
 _ERR_WRONG_LAST_SEQ = (10071, 10164)
 _ERR_STREAM_NAME_IN_USE = 10058
 _ERR_CONSUMER_EXISTS = (10013, 10148)
+#: "insufficient resources" / "no suitable peers for placement": transient in a cluster
+#: whose peers are still coming online.
+_ERR_NO_PLACEMENT = (10005, 10023)
 _NS = 1_000_000_000
 
 _Retryable = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, asyncio.TimeoutError)
@@ -329,6 +335,28 @@ def _diff_text(kind: str, name: str, diff: dict[str, tuple[Any, Any]]) -> str:
     return f"{kind} {name}: {parts}"
 
 
+async def _create(nc: NATS, subject: str, body: dict[str, Any], timeout_s: float) -> None:
+    """A STREAM.CREATE / CONSUMER.CREATE request, repeated while the cluster cannot place
+    the object yet (peers not yet seen online, no leader: 503) for up to
+    :data:`PLACEMENT_WAIT_S` seconds.
+
+    Raises:
+        _ApiError: any other refusal, or the last one when the wait ran out.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            await _api(nc, subject, body, timeout_s)
+            return
+        except _ApiError as e:
+            transient = e.err_code in _ERR_NO_PLACEMENT or e.code == 503
+            if not transient or loop.time() >= deadline:
+                raise
+            log.info("%s: %s; waiting for the cluster", subject, e)
+        await asyncio.sleep(RETRY_PAUSE_MAX_S)
+
+
 async def _ensure_stream(nc: NATS, wanted: dict[str, Any], timeout_s: float) -> None:
     name = wanted["name"]
     for _ in range(3):
@@ -338,7 +366,7 @@ async def _ensure_stream(nc: NATS, wanted: dict[str, Any], timeout_s: float) -> 
             if e.code != 404:
                 raise ProvisioningError(f"stream {name}: {e}") from e
             try:
-                await _api(nc, f"STREAM.CREATE.{name}", wanted, timeout_s)
+                await _create(nc, f"STREAM.CREATE.{name}", wanted, timeout_s)
                 log.info("created stream %s", name)
                 return
             except _ApiError as ce:
@@ -372,7 +400,7 @@ async def _ensure_consumer(nc: NATS, stream: str, wanted: dict[str, Any], timeou
                 raise ProvisioningError(f"consumer {stream}/{name}: {e}") from e
             req = {"stream_name": stream, "config": wanted, "action": "create"}
             try:
-                await _api(nc, f"CONSUMER.CREATE.{stream}.{name}", req, timeout_s)
+                await _create(nc, f"CONSUMER.CREATE.{stream}.{name}", req, timeout_s)
                 log.info("created consumer %s/%s", stream, name)
                 return
             except _ApiError as ce:
