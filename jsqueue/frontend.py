@@ -338,7 +338,7 @@ class _BodyUpload:
     async def _hand(self, item: bytes | None) -> None:
         if self._task is None:
             self._touched = True
-            self._task = asyncio.create_task(self._bodies.put(self._id, self._chunks()))
+            self._task = asyncio.create_task(self._bodies.put(self._id, self._chunks(), fresh=True))
         put = asyncio.ensure_future(self._queue.put(item))
         done, _ = await asyncio.wait(
             (put, self._task), timeout=self._timeout_s, return_when=asyncio.FIRST_COMPLETED
@@ -363,7 +363,7 @@ class _BodyUpload:
             self._touched = True
             data = bytes(self._buf)
             self._buf.clear()
-            return await self._bodies.put(self._id, _one_chunk(data))
+            return await self._bodies.put(self._id, _one_chunk(data), fresh=True)
         for item in (bytes(self._buf), None):
             if item != b"":
                 await self._hand(item)

@@ -257,3 +257,28 @@ async def test_changed_stream_settings_are_applied(nats_server: EmbeddedNats, na
         assert events.duplicate_window == 120
     finally:
         await nc.close()
+
+
+async def test_file_backed_ingest_log_is_recreated_in_memory(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    """The ingest log (resend hints, jsqueue.store.jetstream.JetStreamIngestLog) is kept in
+    memory; one left on disk by an earlier version cannot be updated (the server refuses a
+    storage change) and is recreated instead of failing the start. Queue streams never are:
+    see test_existing_stream_with_wrong_retention."""
+    nc = await connect(nats_server.url)
+    js = nc.jetstream()
+    stream = f"KV_{names.ingest_bucket}"
+    await js.add_stream(name=stream, subjects=[f"$KV.{names.ingest_bucket}.>"])
+    await js.publish(f"$KV.{names.ingest_bucket}.old", b"{}")
+    try:
+        stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+        await stores.close()
+        info = await js.stream_info(stream)
+        assert info.config.storage == "memory"
+        assert info.config.max_bytes == 64 * 1024 * 1024
+        assert info.state.messages == 0
+        stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+        await stores.close()  # and once recreated, the next start leaves it alone
+    finally:
+        await nc.close()

@@ -105,6 +105,35 @@ async def test_body_missing_and_delete(stores: Stores) -> None:
         await read_body(stores, qid)
 
 
+@pytest.mark.parametrize("size", [0, 100, 2 * 1024 * 1024 + 7])
+async def test_fresh_body_round_trip_and_delete(stores: Stores, size: int) -> None:
+    """``put(fresh=True)`` (a new queue id, as the front end stores) reads back the same and
+    is deleted without a trace; on JetStream meta and chunks share one name and go in one
+    purge, from a store that opened the body and from one that did not."""
+    data = os.urandom(size)
+    for opened in (True, False):
+        qid = new_queue_id()
+        info = await stores.bodies.put(qid, chunks_of(data, 65536), fresh=True)
+        assert info.digest == hashlib.sha256(data).hexdigest()
+        bodies = stores.bodies
+        if isinstance(bodies, JetStreamBodyStore) and size:
+            token = bodies.meta_subject(qid).rsplit(".", 1)[1]
+            chunks = await bodies.js.stream_info(
+                bodies.stream, subjects_filter=bodies.chunk_subject(token)
+            )
+            assert chunks.state.subjects == {bodies.chunk_subject(token): -(-size // (1 << 19))}
+        if opened:
+            assert await read_body(stores, qid) == data
+        await stores.bodies.delete(qid)
+        with pytest.raises(BodyNotFound):
+            await stores.bodies.info(qid)
+        if isinstance(bodies, JetStreamBodyStore):
+            token = bodies.meta_subject(qid).rsplit(".", 1)[1]
+            for subject in (bodies.meta_subject(qid), bodies.chunk_subject(token)):
+                info_ = await bodies.js.stream_info(bodies.stream, subjects_filter=subject)
+                assert not info_.state.subjects, subject
+
+
 @pytest.mark.parametrize("size", [100, 2 * 1024 * 1024 + 7])
 async def test_corrupt_body_raises_before_last_chunk(stores: Stores, size: int) -> None:
     qid = new_queue_id()

@@ -50,8 +50,18 @@ class WorkItem:
 class BodyStore(Protocol):
     """Raw RFC 5322 message bodies keyed by queue id. Bodies are streamed, never held whole."""
 
-    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
         """Store a body from a stream of byte chunks; replaces any body under the same id.
+
+        Args:
+            queue_id: the body's name.
+            chunks: the raw message in pieces of any size.
+            fresh: the caller vouches that nothing was ever stored under ``queue_id`` (an
+                id it just generated); a backend may then lay the body out so that
+                :meth:`delete` takes one request. Wrongly set, a replaced body may read
+                as corrupt.
 
         Returns:
             size (octets) and SHA-256 hex digest of what was stored.

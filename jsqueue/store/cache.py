@@ -101,10 +101,12 @@ class CachedBodyStore:
             oldest = next(iter(self._lru))
             self._evict(oldest)
 
-    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
         """See :meth:`BodyStore.put`; drops any cached copy of the id."""
         self._evict(check_queue_id(queue_id))
-        return await self.inner.put(queue_id, chunks)
+        return await self.inner.put(queue_id, chunks, fresh=fresh)
 
     async def info(self, queue_id: str) -> BodyInfo:
         """See :meth:`BodyStore.info` (answered from the cache when cached)."""

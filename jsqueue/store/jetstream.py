@@ -95,6 +95,9 @@ DUPLICATE_WINDOW_S = 120.0
 EVENTS_MAX_AGE_S = 7 * 86400.0
 #: How long the ingest log remembers a message, seconds (caps ``smtp.dedupe_window_s``).
 INGEST_MAX_AGE_S = 3600.0
+#: Memory the ingest log may use on each NATS server, octets; the oldest records go first
+#: (~150 octets each: about 450 000 records, 7.5 minutes at 1 000 messages a second).
+INGEST_MAX_BYTES = 64 * 1024 * 1024
 #: Lifetime of a KV delete marker, seconds: afterwards the key is simply absent.
 DELETE_MARKER_TTL_S = 900
 #: Header of a work item: when it is due, Unix milliseconds.
@@ -273,10 +276,14 @@ def _stream_configs(settings: NatsSettings, names: Names) -> list[dict[str, Any]
             "allow_msg_ttl": True,
         },
         {
+            # A resend hint, not queue state: kept in memory (no fsync per message; a full
+            # NATS restart forgets it, and a resend then is queued anew), bounded in size.
             **common,
             "name": f"KV_{names.ingest_bucket}",
             "subjects": [f"$KV.{names.ingest_bucket}.>"],
-            "discard": "new",
+            "storage": "memory",
+            "discard": "old",
+            "max_bytes": INGEST_MAX_BYTES,
             "max_age": int(INGEST_MAX_AGE_S * _NS),
             "max_msgs_per_subject": 1,
             "allow_rollup_hdrs": True,
@@ -357,7 +364,11 @@ async def _create(nc: NATS, subject: str, body: dict[str, Any], timeout_s: float
         await asyncio.sleep(RETRY_PAUSE_MAX_S)
 
 
-async def _ensure_stream(nc: NATS, wanted: dict[str, Any], timeout_s: float) -> None:
+async def _ensure_stream(
+    nc: NATS, wanted: dict[str, Any], timeout_s: float, *, disposable: bool = False
+) -> None:
+    """Create the stream, or update it to ``wanted``; a ``disposable`` stream (contents
+    that may be lost) whose update the server refuses is deleted and created anew."""
     name = wanted["name"]
     for _ in range(3):
         try:
@@ -379,6 +390,14 @@ async def _ensure_stream(nc: NATS, wanted: dict[str, Any], timeout_s: float) -> 
         try:
             resp = await _api(nc, f"STREAM.UPDATE.{name}", {**info["config"], **wanted}, timeout_s)
         except _ApiError as e:
+            if disposable:
+                log.warning("%s; recreating it", _diff_text("stream", name, diff))
+                try:
+                    await _api(nc, f"STREAM.DELETE.{name}", None, timeout_s)
+                except _ApiError as de:
+                    if de.code != 404:
+                        raise ProvisioningError(f"stream {name}: cannot delete: {de}") from de
+                continue
             raise ProvisioningError(
                 f"{_diff_text('stream', name, diff)}; the server refused the update: {e}"
             ) from e
@@ -449,7 +468,8 @@ async def provision(nc: NATS, settings: NatsSettings, names: Names) -> None:
     """
     timeout_s = settings.request_timeout_s
     for wanted in _stream_configs(settings, names):
-        await _ensure_stream(nc, wanted, timeout_s)
+        disposable = wanted["name"] == f"KV_{names.ingest_bucket}"
+        await _ensure_stream(nc, wanted, timeout_s, disposable=disposable)
     await _ensure_consumer(nc, names.work_stream, _consumer_config(settings, names), timeout_s)
 
 
@@ -694,11 +714,18 @@ class JetStreamBodyStore:
             raise BodyCorrupt(f"body {queue_id}: object meta lacks nuid/digest/size/chunks")
         return meta
 
-    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
-        """See :meth:`BodyStore.put`. Holds at most ``PUT_WINDOW`` chunks in memory."""
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
+        """See :meth:`BodyStore.put`. Holds at most ``PUT_WINDOW`` chunks in memory.
+
+        A ``fresh`` body's chunk set is named like its meta (``$O.<bucket>.C.<token>`` beside
+        ``$O.<bucket>.M.<token>``), so :meth:`delete` purges both with one wildcard filter;
+        any other gets a random chunk-set name, as the object store does.
+        """
         check_queue_id(queue_id)
         self._opened.pop(queue_id, None)
-        nuid = self._nuid.next().decode()
+        nuid = _b64(queue_id) if fresh else self._nuid.next().decode()
         subject = self.chunk_subject(nuid)
         size = max(1, min(self._chunk_size, self._nc.max_payload or self._chunk_size))
         digest = hashlib.sha256()
@@ -861,7 +888,8 @@ class JetStreamBodyStore:
         return BodyInfo(size=int(meta.get("size") or 0), digest=_hex_digest(meta["digest"]))
 
     async def delete(self, queue_id: str) -> None:
-        """See :meth:`BodyStore.delete`. Chunks go first, so a retried delete finishes.
+        """See :meth:`BodyStore.delete`. A fresh body's meta and chunks go in one purge;
+        otherwise chunks go first, so a retried delete finishes.
 
         The chunk set is the one this process last opened under ``queue_id`` when it
         remembers one, else the meta record is read. (Should another process have stored
@@ -874,6 +902,9 @@ class JetStreamBodyStore:
             meta = await self.meta(queue_id)
             nuid = meta["nuid"] if meta is not None else None
         with _translate(f"body {queue_id}: delete"):
+            if nuid == _b64(queue_id):  # a fresh body: meta and chunks in one purge
+                await self.js.purge_stream(self.stream, subject=f"$O.{self.bucket}.*.{nuid}")
+                return
             if nuid is not None:
                 await self.js.purge_stream(self.stream, subject=self.chunk_subject(nuid))
             await self.js.purge_stream(self.stream, subject=self.meta_subject(queue_id))
@@ -1322,7 +1353,10 @@ class JetStreamIngestLog:
 
     One key per content key holding ``{"id": queue id, "at": unix seconds}``. The bucket
     forgets records after :data:`INGEST_MAX_AGE_S`, so a dedupe window beyond that is cut
-    to it. Lookups are direct gets (no consumer); records are plain puts.
+    to it. Lookups are direct gets (no consumer); records are plain puts. The bucket is
+    held in the NATS servers' memory (no fsync per message) and bounded by
+    :data:`INGEST_MAX_BYTES`: a full NATS restart, or more records than fit, forgets the
+    oldest; a resend of a forgotten message is queued anew, as without the log.
     """
 
     def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0) -> None:

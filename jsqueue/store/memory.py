@@ -36,7 +36,9 @@ class MemoryBodyStore:
     def __init__(self) -> None:
         self._bodies: dict[str, tuple[bytes, str]] = {}
 
-    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
         """See :meth:`BodyStore.put`."""
         check_queue_id(queue_id)
         digest = hashlib.sha256()

@@ -306,7 +306,9 @@ class FaultyStores:
         outer = self
 
         class Bodies:
-            async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+            async def put(
+                self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+            ) -> BodyInfo:
                 collected = [c async for c in chunks]
                 await outer._step("put")
 
@@ -314,7 +316,7 @@ class FaultyStores:
                     for c in collected:
                         yield c
 
-                return await inner.bodies.put(queue_id, again())
+                return await inner.bodies.put(queue_id, again(), fresh=fresh)
 
             def open(self, queue_id: str) -> Any:
                 return inner.bodies.open(queue_id)
@@ -362,7 +364,9 @@ class SinkBodyStore:
     def __init__(self) -> None:
         self.infos: dict[str, BodyInfo] = {}
 
-    async def put(self, queue_id: str, chunks: AsyncIterable[bytes]) -> BodyInfo:
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
         h, n = hashlib.sha256(), 0
         async for chunk in chunks:
             h.update(chunk)
