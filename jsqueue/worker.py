@@ -28,7 +28,7 @@ from jsqueue.envelope import Entry, Recipient, Reply, utcnow
 from jsqueue.errors import EntryNotFound, RevisionConflict, StoreUnavailable
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Due, Stores, Versioned
+from jsqueue.store.base import BodyInfo, Due, Stores, Versioned
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -242,11 +242,17 @@ class Worker:
         item = due.item
         entry = claimed.entry
         recipients = entry.open_recipients(item.domain)
+        # The entry knows the body's size and digest (the front end stored them): the
+        # body store can skip reading its own record of them.
+        body = BodyInfo(size=entry.size, digest=entry.digest) if entry.digest else None
         started = self.clock()
         heartbeat = asyncio.create_task(self._heartbeat(due))
         try:
             outcomes = await self.deliverer.deliver(
-                entry, item.domain, recipients, lambda: self.stores.bodies.open(entry.id)
+                entry,
+                item.domain,
+                recipients,
+                lambda: self.stores.bodies.open(entry.id, expect=body),
             )
         finally:
             heartbeat.cancel()

@@ -451,7 +451,10 @@ async def test_full_restart_keeps_attempts_and_schedule(
                     assert await p.stop() == 0, p.log()[-2000:]
             # a message stored just before the crash whose work item was never published
             lost = make_entry(new_queue_id(), domain=SINK)
-            await stores.bodies.put(lost.id, chunks_of(b"Subject: lost\r\n\r\nhi\r\n"))
+            info = await stores.bodies.put(
+                lost.id, chunks_of(b"Subject: lost\r\n\r\nhi\r\n"), fresh=True
+            )
+            lost = lost.model_copy(update={"size": info.size, "digest": info.digest})
             await stores.entries.create(lost)
             await stores.close()
             await nats_cluster.stop()

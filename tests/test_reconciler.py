@@ -163,7 +163,8 @@ def shifted(by: timedelta) -> Callable[[], datetime]:
 async def store(stores: Stores, e: Entry, *, body: bool = True, work: bool = False) -> None:
     """Store what the front end stores; ``work=False`` is a crash before the work item."""
     if body:
-        await stores.bodies.put(e.id, chunks_of(b"Subject: hi\r\n\r\nhello\r\n"))
+        info = await stores.bodies.put(e.id, chunks_of(b"Subject: hi\r\n\r\nhello\r\n"), fresh=True)
+        e = e.model_copy(update={"size": info.size, "digest": info.digest})
     await stores.entries.create(e)
     if work:
         for d in e.domains:

@@ -27,8 +27,8 @@ from jsqueue.errors import (
     RevisionConflict,
 )
 from jsqueue.names import new_queue_id
-from jsqueue.store.base import BodyStore, Due, EntryStore, Scheduler, Stores, WorkItem
-from jsqueue.store.cache import CachedBodyStore
+from jsqueue.store.base import BodyInfo, BodyStore, Due, EntryStore, Scheduler, Stores, WorkItem
+from jsqueue.store.cache import UNCACHED_MAX, CachedBodyStore
 from jsqueue.store.jetstream import JetStreamBodyStore
 from support.nats import (
     ACK_WAIT_S,
@@ -132,6 +132,48 @@ async def test_fresh_body_round_trip_and_delete(stores: Stores, size: int) -> No
             for subject in (bodies.meta_subject(qid), bodies.chunk_subject(token)):
                 info_ = await bodies.js.stream_info(bodies.stream, subjects_filter=subject)
                 assert not info_.state.subjects, subject
+
+
+async def read_expecting(stores: Stores, queue_id: str, expect: BodyInfo) -> bytes:
+    return b"".join([c async for c in stores.bodies.open(queue_id, expect=expect)])
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+@pytest.mark.parametrize("size", [0, 4096, 2 * 1024 * 1024 + 7])
+async def test_open_with_the_expected_size_and_digest(
+    stores: Stores, fresh: bool, size: int
+) -> None:
+    """``open(expect=...)`` (the entry's size and digest, as the worker reads) returns the
+    body; a body that is not the expected one raises BodyCorrupt before its last chunk."""
+    qid = new_queue_id()
+    data = os.urandom(size)
+    info = await stores.bodies.put(qid, chunks_of(data, 100_000), fresh=fresh)
+    assert await read_expecting(stores, qid, info) == data
+    for wrong in (
+        BodyInfo(size=info.size + 1, digest=info.digest),
+        BodyInfo(size=info.size, digest=hashlib.sha256(b"other").hexdigest()),
+    ):
+        received = []
+        with pytest.raises(BodyCorrupt):
+            async for chunk in stores.bodies.open(qid, expect=wrong):
+                received.append(chunk)
+        assert sum(map(len, received)) < max(size, 1)
+    with pytest.raises(BodyNotFound):
+        await read_expecting(stores, new_queue_id(), info)
+
+
+async def test_fresh_body_read_with_expect_needs_no_meta(js_stores: Stores) -> None:
+    """JetStream: the worker's read of a fresh body takes the chunks by name, without the
+    meta record (shown by removing the meta behind the store's back)."""
+    bodies = js_stores.bodies
+    assert isinstance(bodies, JetStreamBodyStore)
+    qid = new_queue_id()
+    data = os.urandom(3000)
+    info = await bodies.put(qid, chunks_of(data), fresh=True)
+    await bodies.js.purge_stream(bodies.stream, subject=bodies.meta_subject(qid))
+    assert await read_expecting(js_stores, qid, info) == data
+    with pytest.raises(BodyNotFound):
+        await read_body(js_stores, qid)
 
 
 @pytest.mark.parametrize("size", [100, 2 * 1024 * 1024 + 7])
@@ -486,6 +528,39 @@ async def test_cache_downloads_once_then_serves_the_file(
     assert not cache.cached(qid) and cache.used_bytes == 0
     with pytest.raises(BodyNotFound):
         await read_cached(cache, qid)
+
+
+async def test_small_bodies_are_served_but_not_cached(
+    stores: Stores, cache: CachedBodyStore
+) -> None:
+    """Up to UNCACHED_MAX octets a body is read from the store on every open (no file is
+    written, read and removed for the common case: delivered at the first try); one octet
+    more and it is cached as a file."""
+    small, small_data = new_queue_id(), os.urandom(UNCACHED_MAX)
+    larger, larger_data = new_queue_id(), os.urandom(UNCACHED_MAX + 1)
+    for qid, data in ((small, small_data), (larger, larger_data)):
+        await stores.bodies.put(qid, chunks_of(data, 1000))
+    for _ in range(2):
+        assert await read_cached(cache, small) == small_data
+        assert await read_cached(cache, larger) == larger_data
+    assert (cache.misses, cache.hits) == (3, 1)
+    assert not cache.cached(small) and cache.cached(larger)
+    assert [p.name for p in cache.directory.iterdir()] == [f"{larger}.body"]
+    await stores.bodies.delete(small)
+    with pytest.raises(BodyNotFound):
+        await read_cached(cache, small)
+
+
+async def test_cache_smaller_than_a_small_body(stores: Stores, tmp_path: Path) -> None:
+    """A cache limit below UNCACHED_MAX still serves whole bodies, straight from the store."""
+    tiny = CachedBodyStore(stores.bodies, max_bytes=1000, directory=tmp_path / "tiny")
+    qid, data = new_queue_id(), os.urandom(3000)
+    await stores.bodies.put(qid, chunks_of(data, 700))
+    try:
+        assert await read_cached(tiny, qid) == data
+        assert not tiny.cached(qid)
+    finally:
+        await tiny.close()
 
 
 async def test_cache_is_a_bounded_lru(stores: Stores, cache: CachedBodyStore) -> None:

@@ -72,8 +72,12 @@ class BodyStore(Protocol):
         """
         ...
 
-    def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
+    def open(self, queue_id: str, *, expect: BodyInfo | None = None) -> AsyncGenerator[bytes, None]:
         """Stream a stored body chunk by chunk.
+
+        ``expect`` is the size and digest the caller already knows (the entry's, as
+        returned by :meth:`put`): a backend may then skip reading its own record of them.
+        A body that does not match ``expect`` raises :class:`BodyCorrupt`.
 
         The digest is checked as the stream ends: a mismatch raises :class:`BodyCorrupt`
         from the iterator instead of finishing, so a consumer that sends the final chunk only

@@ -32,13 +32,19 @@ READ_CHUNK = 256 * 1024
 #: Bodies up to this size are written and read on the event loop: a page-cache copy of a
 #: few KiB costs less than the hand-over to a thread. Larger ones go through a thread.
 INLINE_IO_MAX = 1024 * 1024
+#: Bodies up to this size are not cached: they are served from memory on the open that
+#: read them, and read from the store again when opened again (two direct gets cost less
+#: than writing, reading and removing a file; most messages are delivered on first try).
+UNCACHED_MAX = 64 * 1024
 _SUFFIX = ".body"
 
 
 class CachedBodyStore:
     """:class:`~jsqueue.store.base.BodyStore` that caches bodies read through it on disk.
 
-    - :meth:`open` of a body not cached: it is downloaded into a temporary file
+    - :meth:`open` of a body up to :data:`UNCACHED_MAX` octets: read from the inner
+      store into memory and served, not cached.
+    - :meth:`open` of a larger body not cached: it is downloaded into a temporary file
       (concurrent opens of the same id wait for one download), least recently used files
       are evicted until the new one fits, and the file is served. A body that turns out
       larger than ``max_bytes`` is dropped from the download and streamed straight
@@ -121,29 +127,36 @@ class CachedBodyStore:
         self._evict(check_queue_id(queue_id))
         await self.inner.delete(queue_id)
 
-    async def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
-        """See :meth:`BodyStore.open`.
+    async def open(
+        self, queue_id: str, *, expect: BodyInfo | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """See :meth:`BodyStore.open` (``expect`` is passed to the inner store).
 
         Raises:
             BodyNotFound, BodyCorrupt, StoreUnavailable (also for local disk errors).
         """
         check_queue_id(queue_id)
         if self.max_bytes == 0:
-            async for chunk in self._passthrough(queue_id):
+            async for chunk in self._passthrough(queue_id, expect):
                 yield chunk
             return
         lock = self._locks.setdefault(queue_id, asyncio.Lock())
+        small: bytes | None = None
         async with lock:
             if queue_id in self._lru:
                 self.hits += 1
             else:
                 self.misses += 1
-                await self._download(queue_id)
+                small = await self._download(queue_id, expect)
         if not lock.locked():
             # A racing opener may then download again; harmless, and keeps the dict small.
             self._locks.pop(queue_id, None)
+        if small is not None:
+            if small:
+                yield small
+            return
         if queue_id not in self._lru:
-            async for chunk in self._passthrough(queue_id):
+            async for chunk in self._passthrough(queue_id, expect):
                 yield chunk
             return
         self._lru.move_to_end(queue_id)
@@ -157,7 +170,7 @@ class CachedBodyStore:
             # Evicted meanwhile, or the disk failed: read from the inner store instead.
             log.info("body cache: %s; reading body %s from the store", e, queue_id)
             self._evict(queue_id)
-            async for chunk in self._passthrough(queue_id):
+            async for chunk in self._passthrough(queue_id, expect):
                 yield chunk
             return
         try:
@@ -166,8 +179,10 @@ class CachedBodyStore:
         finally:
             f.close()
 
-    async def _passthrough(self, queue_id: str) -> AsyncGenerator[bytes, None]:
-        body = self.inner.open(queue_id)
+    async def _passthrough(
+        self, queue_id: str, expect: BodyInfo | None
+    ) -> AsyncGenerator[bytes, None]:
+        body = self.inner.open(queue_id, expect=expect)
         try:
             async for chunk in body:
                 yield chunk
@@ -199,26 +214,42 @@ class CachedBodyStore:
             if last:
                 return
 
-    async def _download(self, queue_id: str) -> None:
-        """Copy the body into the cache; leave it out when it is larger than ``max_bytes``."""
+    async def _download(self, queue_id: str, expect: BodyInfo | None) -> bytes | None:
+        """Copy the body into the cache; leave it out when it is larger than ``max_bytes``.
+
+        Returns:
+            the body itself when it is at most :data:`UNCACHED_MAX` octets (not cached),
+            else None.
+        """
         tmp = self.directory / f"{queue_id}{_SUFFIX}.{os.getpid()}.part"
         h = hashlib.sha256()
         size = 0
-        body = self.inner.open(queue_id)
+        head: list[bytes] | None = []  # the first UNCACHED_MAX octets, until a file is needed
+        body = self.inner.open(queue_id, expect=expect)
+        f: BinaryIO | None = None
         try:
-            f = tmp.open("wb")
             try:
                 async for chunk in body:
                     h.update(chunk)
                     size += len(chunk)
                     if size > self.max_bytes:
+                        head = None
                         break  # too big to cache: served straight from the store
+                    if head is not None:
+                        if size <= UNCACHED_MAX:
+                            head.append(chunk)
+                            continue
+                        f = tmp.open("wb")
+                        f.writelines(head)
+                        head = None
+                    assert f is not None
                     if size <= INLINE_IO_MAX:
                         f.write(chunk)
                     else:
                         await asyncio.to_thread(f.write, chunk)
             finally:
-                f.close()
+                if f is not None:
+                    f.close()
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise StoreUnavailable(f"body cache: {e}") from e
@@ -227,14 +258,17 @@ class CachedBodyStore:
             raise
         finally:
             await body.aclose()
+        if head is not None:  # the whole body, at most UNCACHED_MAX octets
+            return b"".join(head)
         if size > self.max_bytes:
             tmp.unlink(missing_ok=True)
-            return
+            return None
         self._evict(queue_id)
         self._make_room(size)
         os.replace(tmp, self._path(queue_id))
         self._lru[queue_id] = (size, h.hexdigest())
         self._used += size
+        return None
 
     async def close(self) -> None:
         """Forget every cached body; remove the directory if this cache created it."""

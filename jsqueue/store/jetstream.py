@@ -838,46 +838,108 @@ class JetStreamBodyStore:
         except _NatsFailure as e:
             log.warning("could not remove chunks %s of a failed put: %s", subject, _describe(e))
 
-    async def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
-        """See :meth:`BodyStore.open`. Each chunk is one direct get; no consumer is made."""
+    async def open(
+        self, queue_id: str, *, expect: BodyInfo | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """See :meth:`BodyStore.open`. Each chunk is one direct get; no consumer is made.
+
+        With ``expect``, the chunks of a fresh body (:meth:`put`) are read without the
+        meta record (one round trip less); when there are none under that name (a body
+        stored otherwise, an empty one, or none at all) the meta is read as usual.
+        """
         check_queue_id(queue_id)
-        meta = await self.meta(queue_id)
-        if meta is None:
-            raise BodyNotFound(queue_id)
-        self._opened[queue_id] = meta["nuid"]
+        first: api.RawStreamMsg | None = None
+        if expect is not None and expect.size > 0:
+            first = await self._chunk(queue_id, self.chunk_subject(_b64(queue_id)), 1)
+        if first is not None:
+            assert expect is not None
+            nuid = _b64(queue_id)
+            chunks = self._chunks(queue_id, nuid, expect.size, expect.digest, None, first)
+        else:
+            meta = await self.meta(queue_id)
+            if meta is None:
+                raise BodyNotFound(queue_id)
+            nuid = meta["nuid"]
+            size = int(meta.get("size") or 0)
+            if expect is not None and (expect.size, expect.digest) != (
+                size,
+                _hex_digest(meta["digest"]),
+            ):
+                raise BodyCorrupt(f"body {queue_id}: not the expected size and digest")
+            chunks = self._chunks(
+                queue_id,
+                nuid,
+                size,
+                _hex_digest(meta["digest"]),
+                int(meta.get("chunks") or 0),
+            )
+        self._remember(queue_id, nuid)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def _remember(self, queue_id: str, nuid: str) -> None:
+        """Note the chunk set of a body being read, for :meth:`delete`."""
+        self._opened[queue_id] = nuid
         self._opened.move_to_end(queue_id)
         if len(self._opened) > OPENED_MEMORY:
             self._opened.popitem(last=False)
-        expected = _hex_digest(meta.get("digest") or "")
-        n_chunks = int(meta.get("chunks") or 0)
-        size = int(meta.get("size") or 0)
-        subject = self.chunk_subject(meta["nuid"])
+
+    async def _chunk(self, queue_id: str, subject: str, seq: int) -> api.RawStreamMsg | None:
+        """The first chunk on ``subject`` at or after ``seq``; None when there is none."""
+        with _translate(f"body {queue_id}: read chunk"):
+            try:
+                msg: api.RawStreamMsg = await self.js.get_msg(
+                    self.stream, seq=seq, subject=subject, next=True, direct=True
+                )
+                return msg
+            except nats.js.errors.NotFoundError:
+                return None
+
+    async def _chunks(
+        self,
+        queue_id: str,
+        nuid: str,
+        size: int,
+        expected: str,
+        n_chunks: int | None,
+        first: api.RawStreamMsg | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """The chunks of set ``nuid`` in order (``n_chunks`` of them, or None: until
+        ``size`` octets arrived; ``first`` already fetched), the size and hex SHA-256
+        ``expected`` checked before the last one is yielded."""
+        subject = self.chunk_subject(nuid)
         digest = hashlib.sha256()
         seq = 1
-        got = 0
-        for i in range(n_chunks):
-            with _translate(f"body {queue_id}: read chunk {i + 1}/{n_chunks}"):
-                try:
-                    msg = await self.js.get_msg(
-                        self.stream, seq=seq, subject=subject, next=True, direct=True
-                    )
-                except nats.js.errors.NotFoundError:
-                    msg = None
+        got = count = 0
+        msg = first
+        held: bytes | None = None  # each chunk is yielded once the next one is in hand
+        while count < n_chunks if n_chunks is not None else got < size:
+            if msg is None:
+                msg = await self._chunk(queue_id, subject, seq)
             if msg is None:
                 now = await self.meta(queue_id)
-                if now is None or now.get("nuid") != meta["nuid"]:
+                if now is None or now.get("nuid") != nuid:
                     raise BodyNotFound(f"{queue_id} (deleted or replaced while reading)")
-                raise BodyCorrupt(f"body {queue_id}: chunk {i + 1} of {n_chunks} is missing")
+                raise BodyCorrupt(f"body {queue_id}: chunk {count + 1} is missing")
             assert msg.seq is not None
             seq = msg.seq + 1
             data = msg.data or b""
+            if not data and n_chunks is None:
+                raise BodyCorrupt(f"body {queue_id}: empty chunk")
             digest.update(data)
             got += len(data)
-            if i == n_chunks - 1 and (got != size or digest.hexdigest() != expected):
-                raise BodyCorrupt(f"body {queue_id}: digest or size mismatch")
-            yield data
-        if n_chunks == 0 and (size != 0 or digest.hexdigest() != expected):
+            count += 1
+            msg = None
+            if held is not None:
+                yield held
+            held = data
+        if got != size or digest.hexdigest() != expected:
             raise BodyCorrupt(f"body {queue_id}: digest or size mismatch")
+        if held is not None:
+            yield held
 
     async def info(self, queue_id: str) -> BodyInfo:
         """See :meth:`BodyStore.info`."""

@@ -50,13 +50,17 @@ class MemoryBodyStore:
         self._bodies[queue_id] = (data, digest.hexdigest())
         return BodyInfo(size=len(data), digest=digest.hexdigest())
 
-    async def open(self, queue_id: str) -> AsyncGenerator[bytes, None]:
+    async def open(
+        self, queue_id: str, *, expect: BodyInfo | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """See :meth:`BodyStore.open`."""
         check_queue_id(queue_id)
         try:
             data, expected = self._bodies[queue_id]
         except KeyError:
             raise BodyNotFound(queue_id) from None
+        if expect is not None:
+            expected = expect.digest if expect.size == len(data) else "size mismatch"
         digest = hashlib.sha256()
         for i in range(0, len(data), CHUNK):
             chunk = data[i : i + CHUNK]

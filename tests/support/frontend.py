@@ -318,8 +318,8 @@ class FaultyStores:
 
                 return await inner.bodies.put(queue_id, again(), fresh=fresh)
 
-            def open(self, queue_id: str) -> Any:
-                return inner.bodies.open(queue_id)
+            def open(self, queue_id: str, *, expect: BodyInfo | None = None) -> Any:
+                return inner.bodies.open(queue_id, expect=expect)
 
             async def info(self, queue_id: str) -> BodyInfo:
                 return await inner.bodies.info(queue_id)
@@ -374,7 +374,7 @@ class SinkBodyStore:
         self.infos[queue_id] = info = BodyInfo(n, h.hexdigest())
         return info
 
-    async def open(self, queue_id: str) -> AsyncIterator[bytes]:
+    async def open(self, queue_id: str, *, expect: BodyInfo | None = None) -> AsyncIterator[bytes]:
         raise BodyNotFound(queue_id)
         yield b""  # pragma: no cover - makes this an async generator
 
