@@ -148,3 +148,25 @@ def test_settled_waits_for_every_destination() -> None:
         random.Random(1),
     )
     assert settled(new) and new.is_final
+
+
+def test_transitions_never_change_their_input() -> None:
+    """Pure functions (STYLE.md): claim, record, release and expire_all return a new entry
+    and leave the one they were given as it was, leases and recipients included (the
+    worker retries a failed compare-and-set from the entry it read)."""
+    e = make_entry("a@x.test", "b@x.test", "c@y.test")
+    e.leases["y.test"] = Lease(owner="w0", until=T0)
+    before = e.to_json()
+    claimed = claim(e, "x.test", "w1", T0, 60)
+    assert e.to_json() == before
+    assert claimed.leases["x.test"].owner == "w1" and "x.test" not in e.leases
+    outcomes = {"a@x.test": reply(250, "2.0.0"), "b@x.test": reply(450, "4.2.0")}
+    snapshot = claimed.to_json()
+    recorded, _ = record(claimed, "x.test", outcomes, T0, POLICY, random.Random(1))
+    assert claimed.to_json() == snapshot
+    assert [r.state for r in claimed.recipients][:2] == [RecipientState.ACTIVE] * 2
+    assert recorded.recipients[0].state is RecipientState.DELIVERED
+    release(claimed, "x.test")
+    assert claimed.to_json() == snapshot
+    expire_all(claimed, "x.test", T0 + timedelta(days=30), POLICY)
+    assert claimed.to_json() == snapshot
