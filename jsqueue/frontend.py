@@ -18,14 +18,16 @@ entry, or an entry none of whose work items was published (the client was told 4
 send the message again).
 
 **Idempotent ingest.** With :attr:`Stores.ingest` present and ``smtp.dedupe_window_s`` > 0,
-the SHA-256 of the envelope and the client's content (:func:`ingest_key`) is recorded with the
-work items, once body and entry are stored. A client that lost our 250 and sends the same
-transaction again within the window gets ``250`` with the first queue id and no second copy.
-A remembered id counts only while its entry exists: if the work items fail, the entry is
-deleted and the record ignored (should that delete fail too, the entry is one the reconciler
-re-queues, so the remembered id is still delivered). Two identical transactions *in flight
-at the same time* can both be queued (each looks the key up before the other records it): at
-worst a duplicate, never a loss.
+the SHA-256 of the envelope and the client's content (:func:`ingest_key`) is claimed in the
+ingest log while the body is stored: one write that records the new queue id unless an
+earlier one is recorded within the window (:meth:`IngestLog.claim`). A client that lost our
+250 and sends the same transaction again within the window gets ``250`` with the first queue
+id and no second copy. A remembered id counts only while its entry exists: if storing fails
+after the claim, the entry is deleted and the next resend takes the record over (should that
+delete fail too, the entry is one the reconciler re-queues, so the remembered id is still
+delivered). Two identical transactions *in flight at the same time* can both be queued (the
+second finds the first's record before its entry exists): at worst a duplicate, never a
+loss.
 
 **Protocol choices** (RFC numbers cite the rule followed):
 
@@ -904,18 +906,22 @@ class _Ingest:
         self._observer = observer
         self._log: IngestLog | None = stores.ingest if settings.dedupe_window_s > 0 else None
 
-    async def _earlier_copy(self, key: str) -> str | None:
-        """The queue id of an identical message queued within the window, if any.
+    async def _earlier_copy(self, key: str, queue_id: str) -> str | None:
+        """The queue id of an identical message queued within the window, if any; else
+        ``queue_id`` is recorded under ``key`` (one write: :meth:`IngestLog.claim`).
 
         Best effort: a failing lookup counts as "none" (the message is then queued anew).
+        A record whose entry does not exist (delivered and removed, or its ingest failed
+        after the claim) is replaced by ours.
         """
         assert self._log is not None
         try:
-            found = await self._log.lookup(key, self._settings.dedupe_window_s)
+            found = await self._log.claim(key, queue_id, self._settings.dedupe_window_s)
             if found is None:
                 return None
             await self._stores.entries.get(found)
         except EntryNotFound:
+            await self._record(key, queue_id)
             return None
         except (JsqueueError, OSError) as e:
             log.warning("ingest log lookup failed (%s); queueing as new", e)
@@ -951,11 +957,11 @@ class _Ingest:
         body: asyncio.Future[BodyInfo] | None = None
         try:
             async with asyncio.timeout(self._settings.store_timeout_s):
-                # Body and ingest-log lookup at the same time; the entry once the body is
-                # stored (an entry never names a body that failed); then the work items with
-                # the ingest record: three round trips before the 250 instead of four.
+                # Body and ingest-log claim at the same time; the entry once the body is
+                # stored (an entry never names a body that failed); then the work items:
+                # three round trips before the 250.
                 body = asyncio.ensure_future(upload.finish())
-                earlier = await self._earlier_copy(key) if key is not None else None
+                earlier = await self._earlier_copy(key, queue_id) if key is not None else None
                 if earlier is not None:
                     await _stopped(body)
                     await upload.abort()
@@ -979,14 +985,10 @@ class _Ingest:
                 stage = "entry"
                 await self._stores.entries.create(entry)
                 stage = "work"
-                # The ingest record goes with the work items: should they fail, the entry
-                # is deleted and a lookup that finds the record but no entry ignores it.
+                # (Should this fail, the entry is deleted; a resend then finds the ingest
+                # record of this id without its entry and takes its place.)
                 await asyncio.gather(
-                    *(
-                        self._stores.scheduler.schedule(WorkItem(queue_id, d))
-                        for d in entry.domains
-                    ),
-                    *([self._record(key, queue_id)] if key is not None else []),
+                    *(self._stores.scheduler.schedule(WorkItem(queue_id, d)) for d in entry.domains)
                 )
         except (JsqueueError, TimeoutError, OSError) as e:
             log.warning("%s: not queued (%s failed: %r); answering 451", queue_id, stage, e)

@@ -663,6 +663,19 @@ async def test_resent_message_gets_the_same_queue_id(mem: Stores) -> None:
     assert len(await due_domains(mem)) == 3
 
 
+async def test_resend_after_the_first_copy_left_the_queue_is_new_mail(mem: Stores) -> None:
+    """A remembered id counts only while its entry exists: once the first copy was delivered
+    (entry removed), the same transaction is queued anew, and that copy is what the next
+    resend within the window is answered with."""
+    async with running(frontend_settings(dedupe_window_s=60), mem) as server:
+        first = await _send_once(server.port, MESSAGE)
+        await mem.entries.delete(first)
+        second = await _send_once(server.port, MESSAGE)
+        third = await _send_once(server.port, MESSAGE)
+    assert second != first and third == second
+    assert [e.id for e in await entries_of(mem)] == [second]
+
+
 async def test_dedupe_window_zero_queues_every_copy(mem: Stores) -> None:
     """dedupe_window_s = 0 turns idempotent ingest off."""
     async with running(frontend_settings(dedupe_window_s=0), mem) as server:

@@ -494,6 +494,27 @@ async def test_schedule_rejects_invalid_names(stores: Stores) -> None:
     assert await s.backlog() == 0
 
 
+# --------------------------------------------------------------------------- ingest log
+
+
+async def test_ingest_claim_records_once_per_window(stores: Stores) -> None:
+    """IngestLog.claim: the first claim of a key records its id; a claim of another id
+    within the window gets the first back (and changes nothing); a repeated claim of the
+    same id succeeds (a retried write); past the window the key is taken over."""
+    log = stores.ingest
+    assert log is not None
+    key = hashlib.sha256(os.urandom(8)).hexdigest()
+    first, second = new_queue_id(), new_queue_id()
+    assert await log.claim(key, first, 60) is None
+    assert await log.claim(key, second, 60) == first
+    assert await log.claim(key, first, 60) is None
+    assert await log.lookup(key, 60) == first
+    assert await log.claim(key, second, -1) is None  # the record is older than the window
+    assert await log.lookup(key, 60) == second
+    with pytest.raises(InvalidName):
+        await log.claim("A" * 64, first, 60)
+
+
 # --------------------------------------------------------------------------- body cache
 
 MIB = 1024 * 1024

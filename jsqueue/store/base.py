@@ -294,6 +294,20 @@ class IngestLog(Protocol):
         """
         ...
 
+    async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
+        """Remember ``key`` -> ``queue_id`` unless ``key`` was recorded at most
+        ``max_age_s`` seconds ago: lookup and record in one write (compare-and-set).
+
+        Returns:
+            None when ``queue_id`` is now recorded (also when it already was: a retried
+            claim); else the queue id recorded earlier, which stays.
+
+        Raises:
+            InvalidName: bad key or queue id.
+            StoreUnavailable.
+        """
+        ...
+
     async def record(self, key: str, queue_id: str) -> None:
         """Remember ``key`` -> ``queue_id`` as of now (overwrites an older record).
 

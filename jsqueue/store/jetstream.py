@@ -1415,7 +1415,8 @@ class JetStreamIngestLog:
 
     One key per content key holding ``{"id": queue id, "at": unix seconds}``. The bucket
     forgets records after :data:`INGEST_MAX_AGE_S`, so a dedupe window beyond that is cut
-    to it. Lookups are direct gets (no consumer); records are plain puts. The bucket is
+    to it. Lookups are direct gets (no consumer); records are plain puts, claims puts that
+    expect no record. The bucket is
     held in the NATS servers' memory (no fsync per message) and bounded by
     :data:`INGEST_MAX_BYTES`: a full NATS restart, or more records than fit, forgets the
     oldest; a resend of a forgotten message is queued anew, as without the log.
@@ -1440,6 +1441,34 @@ class JetStreamIngestLog:
         if time.time() - float(record["at"]) > max_age_s:
             return None
         return str(record["id"])
+
+    async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
+        """See :meth:`IngestLog.claim`: a put expecting no record under ``key``; when one
+        is there, it is read, and replaced only if older than ``max_age_s``."""
+        check_ingest_key(key)
+        data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
+        what = f"ingest {key[:12]}: claim"
+        headers = {_HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
+        try:
+            await _publish(self.js, self._pre + key, data, headers, what=what)
+            return None
+        except nats.js.errors.APIError as e:
+            if not _is_wrong_last_seq(e):
+                raise _unavailable(what, e) from e
+        with _translate(f"ingest {key[:12]}: read"):
+            try:
+                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
+            except nats.js.errors.NotFoundError:
+                msg = None
+        if msg is not None and msg.data:
+            record = json.loads(msg.data)
+            earlier = str(record["id"])
+            if earlier == queue_id:
+                return None  # a retry of our own claim that was stored after all
+            if time.time() - float(record["at"]) <= max_age_s:
+                return earlier
+        await self.record(key, queue_id)
+        return None
 
     async def record(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.record`."""

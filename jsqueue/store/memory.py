@@ -288,6 +288,14 @@ class MemoryIngestLog:
             return None
         return found[0]
 
+    async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
+        """See :meth:`IngestLog.claim`."""
+        earlier = await self.lookup(key, max_age_s)
+        if earlier is not None and earlier != check_queue_id(queue_id):
+            return earlier
+        await self.record(key, queue_id)
+        return None
+
     async def record(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.record`. Drops records older than the largest window seen."""
         check_ingest_key(key)

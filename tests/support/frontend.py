@@ -345,6 +345,11 @@ class FaultyStores:
                 await inner.scheduler.schedule(item, at)
 
         class Ingest:
+            async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
+                await outer._step("lookup")
+                assert inner.ingest is not None
+                return await inner.ingest.claim(key, queue_id, max_age_s)
+
             async def lookup(self, key: str, max_age_s: float) -> str | None:
                 await outer._step("lookup")
                 assert inner.ingest is not None
