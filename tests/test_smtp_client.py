@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from jsqueue.config import SmarthostSettings, TlsPolicy, WorkerSettings
-from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
+from jsqueue.delivery import (
+    BodySource,
+    ConnectionCache,
+    DeliveryEnvelope,
+    DeliveryResult,
+    MxTarget,
+    deliver,
+)
 from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
 from support.cases import CASES
 from support.mx import CLOSE, SILENT, Certs, ScriptedMx, Session, SmtpdMx, shared_port
@@ -841,6 +848,18 @@ async def test_25mb_message_is_streamed_with_bounded_memory() -> None:
 # --- connection cache (RFC 5321 §4.1.1.4: a new transaction after end of data) -------------
 
 
+async def send_via(
+    cache: ConnectionCache,
+    host: str,
+    address: str,
+    settings: WorkerSettings,
+    rcpt: str,
+) -> DeliveryResult:
+    """One small message to ``rcpt`` through ``cache`` at the MX ``host`` [``address``]."""
+    body = BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n")
+    return await deliver(target(host, address), envelope(rcpt), body, settings, cache)
+
+
 async def test_connection_cache_reuses_one_session_for_consecutive_deliveries() -> None:
     """Two deliveries to one MX within the idle time share one connection: one greeting and
     EHLO, two MAIL..DATA transactions, and QUIT only when the cache is closed."""
@@ -849,13 +868,7 @@ async def test_connection_cache_reuses_one_session_for_consecutive_deliveries() 
     cache = ConnectionCache(idle_s=30.0)
     async with SmtpdMx(host, port, name="mx.reuse.example.test") as mx:
         for rcpt in ("a@reuse.example.test", "b@reuse.example.test"):
-            result = await deliver(
-                target("mx.reuse.example.test", host),
-                envelope(rcpt),
-                BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
-                settings_for(port),
-                cache,
-            )
+            result = await send_via(cache, "mx.reuse.example.test", host, settings_for(port), rcpt)
             assert result.replies[rcpt].code == 250
             assert result.mx_host == "mx.reuse.example.test"
         assert mx.connections == 1
@@ -877,12 +890,8 @@ async def test_idle_session_gets_quit_after_the_idle_time() -> None:
     port = shared_port([host])
     cache = ConnectionCache(idle_s=0.2)
     async with SmtpdMx(host, port) as mx:
-        result = await deliver(
-            target("mx.example.test", host),
-            envelope("a@idle.example.test"),
-            BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
-            settings_for(port),
-            cache,
+        result = await send_via(
+            cache, "mx.example.test", host, settings_for(port), "a@idle.example.test"
         )
         assert result.replies["a@idle.example.test"].code == 250
         assert cache.idle == 1
@@ -904,13 +913,7 @@ async def test_cached_session_that_died_is_replaced_within_the_attempt(gone: str
 
     async with ScriptedMx(host, port, hook=idle_timeout) as mx:
         for rcpt in ("a@dead.example.test", "b@dead.example.test"):
-            result = await deliver(
-                target("mx.example.test", host),
-                envelope(rcpt),
-                BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
-                settings_for(port),
-                cache,
-            )
+            result = await send_via(cache, "mx.example.test", host, settings_for(port), rcpt)
             assert result.replies[rcpt].code == 250, result.replies[rcpt]
         assert mx.connections == 2
         assert [len(s.transactions) for s in mx.sessions] == [1, 1]
@@ -931,12 +934,8 @@ async def test_no_reuse_after_an_unfinished_transaction(script: dict[str, str], 
     port = shared_port([host])
     cache = ConnectionCache(idle_s=30.0)
     async with ScriptedMx(host, port, **script) as mx:  # type: ignore[arg-type]
-        result = await deliver(
-            target("mx.example.test", host),
-            envelope("a@grey.example.test"),
-            BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
-            settings_for(port),
-            cache,
+        result = await send_via(
+            cache, "mx.example.test", host, settings_for(port), "a@grey.example.test"
         )
         assert result.replies["a@grey.example.test"].code == code
         assert cache.idle == 0
@@ -951,13 +950,7 @@ async def test_session_older_than_the_reuse_limit_is_not_kept() -> None:
     port = shared_port([host])
     cache = ConnectionCache(idle_s=30.0, max_age_s=0.000001)
     async with SmtpdMx(host, port) as mx:
-        await deliver(
-            target("mx.example.test", host),
-            envelope("a@old.example.test"),
-            BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
-            settings_for(port),
-            cache,
-        )
+        await send_via(cache, "mx.example.test", host, settings_for(port), "a@old.example.test")
         assert cache.idle == 0
         await mx.wait_for(lambda: mx.sessions[0].closed)
         assert mx.sessions[0].verbs()[-1] == "QUIT"
@@ -979,13 +972,7 @@ async def test_cached_plaintext_session_is_not_used_for_a_domain_requiring_tls(
     )
     async with tls_server(certs, "OK", port) as mx:
         for rcpt in ("a@plain.example.test", "b@secure.example.test", "c@secure.example.test"):
-            result = await deliver(
-                target(TLS_NAME, TLS_HOST),
-                envelope(rcpt),
-                BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n"),
-                settings,
-                cache,
-            )
+            result = await send_via(cache, TLS_NAME, TLS_HOST, settings, rcpt)
             assert result.replies[rcpt].code == 250
         assert mx.connections == 2
         assert [s.tls for s in mx.sessions] == [False, True]
