@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 import idna
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer
 
 from jsqueue.errors import InvalidName
 from jsqueue.names import check_domain
@@ -137,6 +137,11 @@ class Recipient(BaseModel):
     last_reply: Reply | None = None
     delay_notified_at: UTCDateTime | None = None
     dsn_sent: bool = False
+
+    @field_serializer("notify")
+    def _notify_sorted(self, notify: frozenset[Notify] | None) -> list[str] | None:
+        # A set's order depends on how it was built: sorted, equal entries give equal JSON.
+        return None if notify is None else sorted(n.value for n in notify)
 
     @classmethod
     def from_address(

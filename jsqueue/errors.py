@@ -53,6 +53,11 @@ class EntryNotFound(StoreError):
     """No queue entry exists under the given queue id."""
 
 
+class EntryDeleted(EntryNotFound):
+    """No queue entry exists under the id, and the store knows it was deleted lately (as
+    opposed to never stored yet)."""
+
+
 class EntryExists(StoreError):
     """Create-if-absent found an entry already stored under the queue id."""
 

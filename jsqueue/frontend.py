@@ -6,16 +6,18 @@ caller's event loop) whose DATA handler:
 1. streams the message, with a ``Received:`` trace header prepended (RFC 5321 §4.4), into
    the body store in chunks while it is still arriving (the upload starts once a chunk is
    full, so a small or rejected message never touches the store before the terminator);
-2. creates the queue entry (reverse-path, recipients with ORCPT/NOTIFY, HELO name, client
-   address, size, digest, ENVID, RET, SMTPUTF8, 8-bit flag, arrival time);
-3. schedules one work item per distinct recipient domain;
-4. only then replies ``250 2.0.0 queued as <id>``.
+2. once the body is stored, creates the queue entry (reverse-path, recipients with
+   ORCPT/NOTIFY, HELO name, client address, size, digest, ENVID, RET, SMTPUTF8, 8-bit flag,
+   arrival time) and, at the same time, schedules one work item per distinct recipient
+   domain (a worker that gets an item before its entry tries again shortly:
+   :data:`jsqueue.state.CREATE_GRACE_S`);
+3. only when all of them are stored replies ``250 2.0.0 queued as <id>``.
 
 If any step fails or takes longer than ``smtp.store_timeout_s`` the client gets
 ``451 4.3.0`` (never 250) and the front end deletes what it stored, best effort. What a
 failed delete leaves behind is an orphan the queue must collect, not deliver: a body with no
-entry, or an entry none of whose work items was published (the client was told 451 and will
-send the message again).
+entry, a work item without entry (dropped once its grace ends), or an entry none of whose
+work items was published (the client was told 451 and will send the message again).
 
 **Idempotent ingest.** With :attr:`Stores.ingest` present and ``smtp.dedupe_window_s`` > 0,
 the SHA-256 of the envelope and the client's content (:func:`ingest_key`) is claimed in the
@@ -982,14 +984,23 @@ class _Ingest:
                     smtputf8=txn.smtputf8,
                     body_8bit=eight_bit,
                 )
-                stage = "entry"
-                await self._stores.entries.create(entry)
-                stage = "work"
-                # (Should this fail, the entry is deleted; a resend then finds the ingest
-                # record of this id without its entry and takes its place.)
-                await asyncio.gather(
-                    *(self._stores.scheduler.schedule(WorkItem(queue_id, d)) for d in entry.domains)
+                stage = "entry and work items"
+                # Both at once: two round trips before the 250, not three. A worker that
+                # gets an item before the entry is stored tries it again shortly
+                # (jsqueue.state.CREATE_GRACE_S). Should either fail, the entry and items
+                # are removed; a resend then finds the ingest record of this id without its
+                # entry and takes its place.
+                stored = await asyncio.gather(
+                    self._stores.entries.create(entry),
+                    *(
+                        self._stores.scheduler.schedule(WorkItem(queue_id, d))
+                        for d in entry.domains
+                    ),
+                    return_exceptions=True,
                 )
+                for result in stored:
+                    if isinstance(result, BaseException):
+                        raise result
         except (JsqueueError, TimeoutError, OSError) as e:
             log.warning("%s: not queued (%s failed: %r); answering 451", queue_id, stage, e)
             await _stopped(body)
@@ -1020,19 +1031,24 @@ class _Ingest:
             log.warning("%s: queued, but the ingest record failed (%s)", queue_id, e)
 
     async def _cleanup(self, queue_id: str, upload: _BodyUpload, stage: str) -> None:
+        """Remove what a failed ingest stored: entry and work items first (so no worker
+        starts on them), then the body. Best effort: a work item left behind is dropped
+        once its grace ends, an entry left behind is the orphan sweep's."""
+        if stage != "body":
+            try:
+                async with asyncio.timeout(self._settings.store_timeout_s):
+                    await asyncio.gather(
+                        self._stores.entries.delete(queue_id),
+                        self._stores.scheduler.cancel(queue_id),
+                    )
+            except (JsqueueError, TimeoutError, OSError) as e:
+                log.warning(
+                    "%s: removing the entry after a failed ingest failed (%s); left for "
+                    "the queue's orphan sweep",
+                    queue_id,
+                    e,
+                )
         await upload.abort()
-        if stage == "body":
-            return
-        try:
-            async with asyncio.timeout(self._settings.store_timeout_s):
-                await self._stores.entries.delete(queue_id)
-        except (JsqueueError, TimeoutError, OSError) as e:
-            log.warning(
-                "%s: delete of the entry after a failed ingest failed (%s); left for "
-                "the queue's orphan sweep",
-                queue_id,
-                e,
-            )
 
 
 class SmtpServer:

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from jsqueue.errors import InvalidName
 
@@ -41,6 +42,19 @@ def new_queue_id(now_ms: int | None = None) -> str:
         chars.append(_CROCKFORD[value & 31])
         value >>= 5
     return "".join(reversed(chars))
+
+
+def queue_id_time(queue_id: str) -> datetime:
+    """The creation time encoded in a queue id's first 10 characters (:func:`new_queue_id`;
+    a derived id carries its base id's time), UTC, millisecond precision.
+
+    Raises:
+        InvalidName: not a queue id.
+    """
+    ms = 0
+    for ch in check_queue_id(queue_id)[:10]:
+        ms = (ms << 5) | _CROCKFORD.index(ch)
+    return datetime.fromtimestamp(ms / 1000, UTC)
 
 
 def derived_queue_id(base_id: str, key: str) -> str:

@@ -17,8 +17,19 @@ from enum import StrEnum
 
 from jsqueue import replies
 from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, Reply
+from jsqueue.names import queue_id_time
 from jsqueue.retry import Expire, RetryPolicy, delay_until_s, is_due
 from jsqueue.store.base import WorkItem
+
+#: The front end stores a message's entry and publishes its work items at the same time
+#: (:mod:`jsqueue.frontend`), so a work item can arrive before its entry. For this many
+#: seconds after the queue id's creation time, "no entry" means "not stored yet" (or the
+#: ingest failed and the client was told 451), and the item is tried again shortly;
+#: afterwards it is dropped. Covers publish retries across a cluster election and clock
+#: differences between hosts.
+CREATE_GRACE_S = 60.0
+#: Seconds before a work item that arrived ahead of its entry is tried again.
+CREATE_RETRY_S = 0.5
 
 
 class Verdict(StrEnum):
@@ -38,7 +49,14 @@ class Check:
     delay_s: float = 0.0
 
 
-def check(entry: Entry | None, item: WorkItem, now: datetime, *, tolerance_s: float = 1.0) -> Check:
+def check(
+    entry: Entry | None,
+    item: WorkItem,
+    now: datetime,
+    *,
+    tolerance_s: float = 1.0,
+    deleted: bool = False,
+) -> Check:
     """Decide whether ``item`` may be delivered now, re-checking it against KV (the truth).
 
     Args:
@@ -46,14 +64,20 @@ def check(entry: Entry | None, item: WorkItem, now: datetime, *, tolerance_s: fl
         item: the work item that arrived.
         now: current time, aware.
         tolerance_s: seconds of earliness still treated as due.
+        deleted: with ``entry`` None, the store knows it was deleted (not "not yet").
 
     Returns:
-        DROP for a deleted entry, a stale generation, a held entry or a destination with no
-        open recipient; LATER (with the remaining delay) for an early redelivery (after a
-        crash JetStream may redeliver a NAKed item at ack wait, DESIGN.md §7) or while another
-        worker's lease runs; DELIVER otherwise.
+        LATER for a missing (not deleted) entry whose id is younger than
+        :data:`CREATE_GRACE_S`; DROP for a deleted (or older missing) entry, a stale
+        generation, a held entry or a destination with no open recipient; LATER (with the
+        remaining delay) for an early redelivery (after a crash JetStream may redeliver a
+        NAKed item at ack wait, DESIGN.md §7) or while another worker's lease runs; DELIVER
+        otherwise.
     """
     if entry is None:
+        young = (now - queue_id_time(item.queue_id)).total_seconds() < CREATE_GRACE_S
+        if young and not deleted:
+            return Check(Verdict.LATER, "entry not stored yet", CREATE_RETRY_S)
         return Check(Verdict.DROP, "entry gone")
     if item.generation != entry.generation:
         return Check(Verdict.DROP, f"stale generation {item.generation} != {entry.generation}")

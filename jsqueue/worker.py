@@ -25,7 +25,7 @@ from typing import Protocol
 from jsqueue import state
 from jsqueue.config import WorkerSettings
 from jsqueue.envelope import Entry, Recipient, Reply, utcnow
-from jsqueue.errors import EntryNotFound, RevisionConflict, StoreUnavailable
+from jsqueue.errors import EntryDeleted, EntryNotFound, RevisionConflict, StoreUnavailable
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
 from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import BodyInfo, Due, Stores, Versioned
@@ -207,9 +207,13 @@ class Worker:
     async def _process(self, due: Due) -> None:
         item = due.item
         for _ in range(CAS_TRIES):
-            v = await self._get(item.queue_id)
+            deleted = False
+            try:
+                v: Versioned | None = await self.stores.entries.get(item.queue_id)
+            except EntryNotFound as e:
+                v, deleted = None, isinstance(e, EntryDeleted)
             now = self.clock()
-            verdict = state.check(v.entry if v else None, item, now)
+            verdict = state.check(v.entry if v else None, item, now, deleted=deleted)
             if verdict.verdict is state.Verdict.DROP:
                 log.debug("queue %s %s: drop (%s)", item.queue_id, item.domain, verdict.reason)
                 if v is not None:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from jsqueue.errors import InvalidName
-from jsqueue.names import Names, check_domain, check_queue_id, new_queue_id
+from jsqueue.names import (
+    Names,
+    check_domain,
+    check_queue_id,
+    derived_queue_id,
+    new_queue_id,
+    queue_id_time,
+)
 
 VALID_ID = new_queue_id()
 
@@ -127,3 +136,14 @@ def test_object_names_carry_the_prefix() -> None:
 def test_invalid_prefixes(bad: str) -> None:
     with pytest.raises(InvalidName):
         Names(bad)
+
+
+def test_queue_id_time_is_the_creation_time() -> None:
+    """The first 10 characters encode the creation time in milliseconds; a derived id
+    (a DSN's) carries its base id's time."""
+    ms = 1_780_000_000_123
+    qid = new_queue_id(ms)
+    assert queue_id_time(qid) == datetime.fromtimestamp(ms / 1000, UTC)
+    assert queue_id_time(derived_queue_id(qid, "dsn")) == queue_id_time(qid)
+    with pytest.raises(InvalidName):
+        queue_id_time("not-an-id")

@@ -9,7 +9,17 @@ from jsqueue import replies
 from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, Reply
 from jsqueue.names import new_queue_id
 from jsqueue.retry import RetryPolicy
-from jsqueue.state import Verdict, check, claim, expire_all, record, release, settled
+from jsqueue.state import (
+    CREATE_GRACE_S,
+    CREATE_RETRY_S,
+    Verdict,
+    check,
+    claim,
+    expire_all,
+    record,
+    release,
+    settled,
+)
 from jsqueue.store.base import WorkItem
 
 T0 = datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
@@ -34,7 +44,8 @@ def test_check_verdicts_follow_kv_truth() -> None:
     """DESIGN.md §2.2: gone, stale, held, nothing open → drop; early → later; else deliver."""
     e = make_entry("a@mixed.example.test")
     item = WorkItem(e.id, "mixed.example.test", 0)
-    assert check(None, item, T0).verdict is Verdict.DROP
+    old = WorkItem(new_queue_id(int((T0 - timedelta(minutes=5)).timestamp() * 1000)), "x.test")
+    assert check(None, old, T0).verdict is Verdict.DROP
     assert check(e, WorkItem(e.id, "mixed.example.test", 1), T0).verdict is Verdict.DROP
     assert check(e.model_copy(update={"held": True}), item, T0).verdict is Verdict.DROP
     assert check(e, WorkItem(e.id, "other.example.test", 0), T0).verdict is Verdict.DROP
@@ -170,3 +181,17 @@ def test_transitions_never_change_their_input() -> None:
     assert claimed.to_json() == snapshot
     expire_all(claimed, "x.test", T0 + timedelta(days=30), POLICY)
     assert claimed.to_json() == snapshot
+
+
+def test_item_ahead_of_its_entry_is_tried_again_within_the_grace() -> None:
+    """The front end stores the entry and publishes the work items at the same time: an item
+    whose entry is missing is retried shortly while its queue id is younger than
+    CREATE_GRACE_S (also when the id's clock is ahead of ours), then dropped."""
+    created = T0 - timedelta(seconds=1)
+    item = WorkItem(new_queue_id(int(created.timestamp() * 1000)), "x.test")
+    for now in (T0 - timedelta(seconds=5), T0, created + timedelta(seconds=CREATE_GRACE_S - 1)):
+        c = check(None, item, now)
+        assert (c.verdict, c.delay_s) == (Verdict.LATER, CREATE_RETRY_S), now
+    assert check(None, item, created + timedelta(seconds=CREATE_GRACE_S + 1)).verdict is (
+        Verdict.DROP
+    )

@@ -21,6 +21,7 @@ from jsqueue.envelope import EntryState, RecipientState, utcnow
 from jsqueue.errors import (
     BodyCorrupt,
     BodyNotFound,
+    EntryDeleted,
     EntryExists,
     EntryNotFound,
     InvalidName,
@@ -250,8 +251,11 @@ async def test_entry_delete(stores: Stores) -> None:
     rev = await stores.entries.create(entry)
     with pytest.raises(RevisionConflict):
         await stores.entries.delete(entry.id, revision=rev + 1000)
+    with pytest.raises(EntryNotFound) as never_stored:
+        await stores.entries.get(new_queue_id())
+    assert not isinstance(never_stored.value, EntryDeleted)  # "not yet" for a new id
     await stores.entries.delete(entry.id, revision=rev)
-    with pytest.raises(EntryNotFound):
+    with pytest.raises(EntryDeleted):  # a worker drops its items at once
         await stores.entries.get(entry.id)
     await stores.entries.delete(entry.id)  # idempotent without a revision
     with pytest.raises(RevisionConflict):

@@ -14,11 +14,14 @@ from email.message import EmailMessage
 
 import pytest
 
-from jsqueue.envelope import RecipientState
+from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
 from jsqueue.errors import BodyNotFound
+from jsqueue.names import new_queue_id
+from jsqueue.store.base import WorkItem
 from jsqueue.store.jetstream import JetStreamEntryStore
 from support.cases import case_message, case_text
 from support.mx import ScriptedMx, SmtpdMx, ipv6_loopback_available
+from support.nats import chunks_of
 from support.queue import Harness, eventually
 
 SENDER_ZONE = """
@@ -461,3 +464,40 @@ mx.writes.example.test. 300 IN A 127.0.2.14
         assert await last_seq() - created == 2, "claim + delete"
         with pytest.raises(BodyNotFound):
             await h.stores.bodies.info(qid)
+
+
+async def test_work_item_ahead_of_its_entry_is_delivered_once_the_entry_is_there(
+    queue_harness: Harness,
+) -> None:
+    """The front end stores the entry and publishes the work item at the same time, so a
+    worker may get the item first: it is tried again shortly (state.CREATE_GRACE_S), not
+    dropped, and the message goes out once the entry is stored."""
+    h = queue_harness
+    h.dns.add(
+        SENDER_ZONE
+        + """
+ahead.example.test.    300 IN MX 10 mx.ahead.example.test.
+mx.ahead.example.test. 300 IN A 127.0.2.15
+"""
+    )
+    message = case_message("CASE-07")
+    qid = new_queue_id()
+    info = await h.stores.bodies.put(qid, chunks_of(message), fresh=True)
+    entry = Entry(
+        id=qid,
+        reverse_path="alice@example.test",
+        recipients=[Recipient.from_address("u@ahead.example.test")],
+        created_at=utcnow(),
+        size=info.size,
+        digest=info.digest,
+    )
+    async with SmtpdMx("127.0.2.15", h.mx_port) as mx:
+        worker = h.worker()
+        async with h.running(worker):
+            await h.stores.scheduler.schedule(WorkItem(qid, "ahead.example.test"))
+            await eventually(lambda: worker.handled >= 1, what="the item, before its entry")
+            assert mx.connections == 0
+            await h.stores.entries.create(entry)
+            await eventually(lambda: len(mx.delivered) == 1, what="delivery")
+            await eventually(lambda: gone(h, qid), what="entry removed")
+        assert mx.delivered[0].rcpt_to == ["u@ahead.example.test"]

@@ -127,7 +127,8 @@ class EntryStore(Protocol):
         """Read an entry and its revision.
 
         Raises:
-            EntryNotFound, InvalidName, StoreUnavailable.
+            EntryNotFound (:class:`EntryDeleted` when the store knows the entry was
+            deleted lately, as opposed to not stored yet), InvalidName, StoreUnavailable.
         """
         ...
 

@@ -73,6 +73,7 @@ from jsqueue.errors import (
     BodyCorrupt,
     BodyNotFound,
     ConfigError,
+    EntryDeleted,
     EntryExists,
     EntryNotFound,
     ProvisioningError,
@@ -1097,8 +1098,10 @@ class JetStreamEntryStore:
         msg = await self._last(queue_id)
         if msg is None or _is_marker(msg):
             msg = await self._last(queue_id, leader=True)
-        if msg is None or _is_marker(msg):
+        if msg is None:
             raise EntryNotFound(queue_id)
+        if _is_marker(msg):
+            raise EntryDeleted(queue_id)
         return self._decode(queue_id, msg)
 
     async def update(self, entry: Entry, revision: int) -> int:

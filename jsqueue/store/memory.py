@@ -20,6 +20,7 @@ from jsqueue.envelope import Entry, EntryState, utcnow
 from jsqueue.errors import (
     BodyCorrupt,
     BodyNotFound,
+    EntryDeleted,
     EntryExists,
     EntryNotFound,
     RevisionConflict,
@@ -96,6 +97,7 @@ class MemoryEntryStore:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[bytes, int]] = {}
+        self._deleted: set[str] = set()
         self._seq = itertools.count(1)
 
     async def create(self, entry: Entry) -> int:
@@ -105,6 +107,7 @@ class MemoryEntryStore:
             raise EntryExists(entry.id)
         rev = next(self._seq)
         self._entries[entry.id] = (entry.to_json(), rev)
+        self._deleted.discard(entry.id)
         return rev
 
     async def get(self, queue_id: str) -> Versioned:
@@ -113,6 +116,8 @@ class MemoryEntryStore:
         try:
             data, rev = self._entries[queue_id]
         except KeyError:
+            if queue_id in self._deleted:
+                raise EntryDeleted(queue_id) from None
             raise EntryNotFound(queue_id) from None
         return Versioned(Entry.from_json(data), rev)
 
@@ -131,6 +136,7 @@ class MemoryEntryStore:
         if revision is not None and (current is None or current[1] != revision):
             raise RevisionConflict(f"entry {queue_id}: expected revision {revision}")
         self._entries.pop(queue_id, None)
+        self._deleted.add(queue_id)
 
     async def page(
         self, *, state: EntryState | None = None, after: str | None = None, limit: int = 100
