@@ -30,6 +30,11 @@ mx.example.test.     300 IN A  127.0.2.1
 """
 
 
+def one_mx(domain: str, address: str) -> str:
+    """Zone text: ``domain`` with one MX ``mx.<domain>`` at ``address`` (plus the sender's)."""
+    return SENDER_ZONE + f"{domain}. 300 IN MX 10 mx.{domain}.\nmx.{domain}. 300 IN A {address}\n"
+
+
 async def gone(h: Harness, queue_id: str) -> bool:
     """The entry has been removed (final and cleaned up)."""
     return await h.entry(queue_id) is None
@@ -417,13 +422,7 @@ async def test_worker_reuses_the_session_and_quits_it_on_stop(queue_harness: Har
     one after the other travel over one connection, which gets QUIT when the worker stops."""
     h = queue_harness
     h.configure(worker={"connection_cache_s": 30.0})
-    h.dns.add(
-        SENDER_ZONE
-        + """
-cache.example.test.    300 IN MX 10 mx.cache.example.test.
-mx.cache.example.test. 300 IN A 127.0.2.13
-"""
-    )
+    h.dns.add(one_mx("cache.example.test", "127.0.2.13"))
     async with SmtpdMx("127.0.2.13", h.mx_port) as mx:
         async with h.running():
             for n in range(3):
@@ -442,13 +441,7 @@ async def test_delivered_entry_is_removed_by_the_compare_and_set_that_records_it
     revision when every recipient is delivered and no DSN is owed, instead of recording the
     outcome and deleting after. The entries stream sees exactly two writes per delivery."""
     h = queue_harness
-    h.dns.add(
-        SENDER_ZONE
-        + """
-writes.example.test.    300 IN MX 10 mx.writes.example.test.
-mx.writes.example.test. 300 IN A 127.0.2.14
-"""
-    )
+    h.dns.add(one_mx("writes.example.test", "127.0.2.14"))
     entries = h.stores.entries
     assert isinstance(entries, JetStreamEntryStore)
 
@@ -473,13 +466,7 @@ async def test_work_item_ahead_of_its_entry_is_delivered_once_the_entry_is_there
     worker may get the item first: it is tried again shortly (state.CREATE_GRACE_S), not
     dropped, and the message goes out once the entry is stored."""
     h = queue_harness
-    h.dns.add(
-        SENDER_ZONE
-        + """
-ahead.example.test.    300 IN MX 10 mx.ahead.example.test.
-mx.ahead.example.test. 300 IN A 127.0.2.15
-"""
-    )
+    h.dns.add(one_mx("ahead.example.test", "127.0.2.15"))
     message = case_message("CASE-07")
     qid = new_queue_id()
     info = await h.stores.bodies.put(qid, chunks_of(message), fresh=True)
