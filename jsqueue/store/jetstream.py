@@ -343,6 +343,33 @@ def _diff_text(kind: str, name: str, diff: dict[str, tuple[Any, Any]]) -> str:
     return f"{kind} {name}: {parts}"
 
 
+async def _info(nc: NATS, subject: str, timeout_s: float) -> Any:
+    """A STREAM.INFO / CONSUMER.INFO request, repeated while it times out or gets 503 (a
+    cluster still electing the leader after a start or restart) for up to
+    :data:`PLACEMENT_WAIT_S` seconds.
+
+    Raises:
+        _ApiError: a refusal (404 included), or the last 503 when the wait ran out.
+        StoreUnavailable: no answer within the wait, or JetStream not enabled.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            return await _api(nc, subject, None, timeout_s)
+        except _ApiError as e:
+            if e.code != 503 or loop.time() >= deadline:
+                raise
+            reason: object = e
+        except StoreUnavailable as e:
+            timed_out = isinstance(e.__cause__, nats.errors.TimeoutError | asyncio.TimeoutError)
+            if not timed_out or loop.time() >= deadline:
+                raise
+            reason = e
+        log.info("%s: %s; waiting for the cluster", subject, reason)
+        await asyncio.sleep(RETRY_PAUSE_MAX_S)
+
+
 async def _create(nc: NATS, subject: str, body: dict[str, Any], timeout_s: float) -> None:
     """A STREAM.CREATE / CONSUMER.CREATE request, repeated while the cluster cannot place
     the object yet (peers not yet seen online, no leader: 503) for up to
@@ -373,7 +400,7 @@ async def _ensure_stream(
     name = wanted["name"]
     for _ in range(3):
         try:
-            info = await _api(nc, f"STREAM.INFO.{name}", None, timeout_s)
+            info = await _info(nc, f"STREAM.INFO.{name}", timeout_s)
         except _ApiError as e:
             if e.code != 404:
                 raise ProvisioningError(f"stream {name}: {e}") from e
@@ -414,7 +441,7 @@ async def _ensure_consumer(nc: NATS, stream: str, wanted: dict[str, Any], timeou
     name = wanted["name"]
     for _ in range(3):
         try:
-            info = await _api(nc, f"CONSUMER.INFO.{stream}.{name}", None, timeout_s)
+            info = await _info(nc, f"CONSUMER.INFO.{stream}.{name}", timeout_s)
         except _ApiError as e:
             if e.code != 404:
                 raise ProvisioningError(f"consumer {stream}/{name}: {e}") from e
