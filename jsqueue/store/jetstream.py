@@ -343,22 +343,27 @@ def _diff_text(kind: str, name: str, diff: dict[str, tuple[Any, Any]]) -> str:
     return f"{kind} {name}: {parts}"
 
 
-async def _info(nc: NATS, subject: str, timeout_s: float) -> Any:
-    """A STREAM.INFO / CONSUMER.INFO request, repeated while it times out or gets 503 (a
-    cluster still electing the leader after a start or restart) for up to
-    :data:`PLACEMENT_WAIT_S` seconds.
+async def _api_waiting(
+    nc: NATS, subject: str, body: dict[str, Any] | None, timeout_s: float
+) -> Any:
+    """A provisioning request (STREAM/CONSUMER INFO or CREATE), repeated for up to
+    :data:`PLACEMENT_WAIT_S` seconds while the cluster is not ready for it: a timeout or a
+    503 (leaders still being elected after a start or restart), or no placement for an R3
+    object yet (peers not yet seen online). A CREATE repeated after a timeout that was
+    stored after all is refused as "already in use", which the callers handle.
 
     Raises:
-        _ApiError: a refusal (404 included), or the last 503 when the wait ran out.
+        _ApiError: any other refusal (404 included), or the last one when the wait ran out.
         StoreUnavailable: no answer within the wait, or JetStream not enabled.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + PLACEMENT_WAIT_S
     while True:
         try:
-            return await _api(nc, subject, None, timeout_s)
+            return await _api(nc, subject, body, timeout_s)
         except _ApiError as e:
-            if e.code != 503 or loop.time() >= deadline:
+            transient = e.err_code in _ERR_NO_PLACEMENT or e.code == 503
+            if not transient or loop.time() >= deadline:
                 raise
             reason: object = e
         except StoreUnavailable as e:
@@ -370,28 +375,6 @@ async def _info(nc: NATS, subject: str, timeout_s: float) -> Any:
         await asyncio.sleep(RETRY_PAUSE_MAX_S)
 
 
-async def _create(nc: NATS, subject: str, body: dict[str, Any], timeout_s: float) -> None:
-    """A STREAM.CREATE / CONSUMER.CREATE request, repeated while the cluster cannot place
-    the object yet (peers not yet seen online, no leader: 503) for up to
-    :data:`PLACEMENT_WAIT_S` seconds.
-
-    Raises:
-        _ApiError: any other refusal, or the last one when the wait ran out.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + PLACEMENT_WAIT_S
-    while True:
-        try:
-            await _api(nc, subject, body, timeout_s)
-            return
-        except _ApiError as e:
-            transient = e.err_code in _ERR_NO_PLACEMENT or e.code == 503
-            if not transient or loop.time() >= deadline:
-                raise
-            log.info("%s: %s; waiting for the cluster", subject, e)
-        await asyncio.sleep(RETRY_PAUSE_MAX_S)
-
-
 async def _ensure_stream(
     nc: NATS, wanted: dict[str, Any], timeout_s: float, *, disposable: bool = False
 ) -> None:
@@ -400,12 +383,12 @@ async def _ensure_stream(
     name = wanted["name"]
     for _ in range(3):
         try:
-            info = await _info(nc, f"STREAM.INFO.{name}", timeout_s)
+            info = await _api_waiting(nc, f"STREAM.INFO.{name}", None, timeout_s)
         except _ApiError as e:
             if e.code != 404:
                 raise ProvisioningError(f"stream {name}: {e}") from e
             try:
-                await _create(nc, f"STREAM.CREATE.{name}", wanted, timeout_s)
+                await _api_waiting(nc, f"STREAM.CREATE.{name}", wanted, timeout_s)
                 log.info("created stream %s", name)
                 return
             except _ApiError as ce:
@@ -441,13 +424,13 @@ async def _ensure_consumer(nc: NATS, stream: str, wanted: dict[str, Any], timeou
     name = wanted["name"]
     for _ in range(3):
         try:
-            info = await _info(nc, f"CONSUMER.INFO.{stream}.{name}", timeout_s)
+            info = await _api_waiting(nc, f"CONSUMER.INFO.{stream}.{name}", None, timeout_s)
         except _ApiError as e:
             if e.code != 404:
                 raise ProvisioningError(f"consumer {stream}/{name}: {e}") from e
             req = {"stream_name": stream, "config": wanted, "action": "create"}
             try:
-                await _create(nc, f"CONSUMER.CREATE.{stream}.{name}", req, timeout_s)
+                await _api_waiting(nc, f"CONSUMER.CREATE.{stream}.{name}", req, timeout_s)
                 log.info("created consumer %s/%s", stream, name)
                 return
             except _ApiError as ce:
@@ -1474,7 +1457,7 @@ class JetStreamIngestLog:
 
     async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
         """See :meth:`IngestLog.claim`: a put expecting no record under ``key``; when one
-        is there, it is read, and replaced only if older than ``max_age_s``."""
+        is there, it is looked up, and replaced only if older than ``max_age_s``."""
         check_ingest_key(key)
         data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
         what = f"ingest {key[:12]}: claim"
@@ -1485,20 +1468,11 @@ class JetStreamIngestLog:
         except nats.js.errors.APIError as e:
             if not _is_wrong_last_seq(e):
                 raise _unavailable(what, e) from e
-        with _translate(f"ingest {key[:12]}: read"):
-            try:
-                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
-            except nats.js.errors.NotFoundError:
-                msg = None
-        if msg is not None and msg.data:
-            record = json.loads(msg.data)
-            earlier = str(record["id"])
-            if earlier == queue_id:
-                return None  # a retry of our own claim that was stored after all
-            if time.time() - float(record["at"]) <= max_age_s:
-                return earlier
-        await self.record(key, queue_id)
-        return None
+        earlier = await self.lookup(key, max_age_s)
+        if earlier is None:  # older than the window: take its place
+            await self.record(key, queue_id)
+        # (our own id: a retried claim that was stored after all)
+        return None if earlier in (None, queue_id) else earlier
 
     async def record(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.record`."""
