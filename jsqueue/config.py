@@ -87,6 +87,13 @@ class NatsSettings(_Section):
     max_ack_pending: int = Field(
         1_000_000, ge=1000, description="consumer limit; must exceed deferred backlog"
     )
+    events_max_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="events stream size bound, octets (oldest dropped first)"
+    )
+    events_fsync: bool = Field(
+        False,
+        description="sync every event to disk like queue state (one replica; slower)",
+    )
     connect_timeout_s: float = Field(2.0, gt=0, description="NATS connect timeout, seconds")
     request_timeout_s: float = Field(5.0, gt=0, description="JetStream request timeout, seconds")
     user: str | None = Field(None, description="NATS user name (with nats.password)")

@@ -399,9 +399,8 @@ async def open_publisher(
     Raises:
         StoreUnavailable: NATS unreachable within the connect timeout.
     """
-    import nats.errors
 
-    from jsqueue.store.jetstream import connect_nats
+    from jsqueue.store.jetstream import close_nats, connect_nats
 
     names = names or Names(settings.prefix)
     nc = await connect_nats(settings, urls)
@@ -411,8 +410,7 @@ async def open_publisher(
         yield publisher
     finally:
         await publisher.close(settings.request_timeout_s)
-        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-            await nc.close()
+        await close_nats(nc)
 
 
 async def tail(
@@ -447,7 +445,7 @@ async def tail(
     import nats.errors
     from nats.js import api
 
-    from jsqueue.store.jetstream import connect_nats
+    from jsqueue.store.jetstream import close_nats, connect_nats
 
     names = names or Names(settings.prefix)
     wanted = {k.value for k in kinds}
@@ -487,8 +485,7 @@ async def tail(
             except ValidationError as e:
                 log.warning("events: skipping a non-event on %s: %s", msg.subject, e)
     finally:
-        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-            await nc.close()
+        await close_nats(nc)
 
 
 def attempt_events(

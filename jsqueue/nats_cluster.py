@@ -37,6 +37,7 @@ from nats.aio.client import Client as NATS
 from jsqueue.config import NatsSettings
 from jsqueue.errors import JsqueueError
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.store.jetstream import close_nats
 
 log = logging.getLogger(__name__)
 
@@ -411,8 +412,7 @@ async def _request(
         payload = json.dumps(body).encode() if body is not None else b""
         msg = await nc.request(subject, payload, timeout=timeout_s)
     finally:
-        with contextlib.suppress(nats.errors.Error, OSError):
-            await nc.close()
+        await close_nats(nc)
     data = json.loads(msg.data)
     if not isinstance(data, dict):
         raise JsqueueError(f"{subject}: unexpected reply {msg.data[:100]!r}")

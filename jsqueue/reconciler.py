@@ -91,6 +91,7 @@ from jsqueue.store.jetstream import (
     JetStreamBodyStore,
     JetStreamEntryStore,
     JetStreamScheduler,
+    close_nats,
     connect_nats,
 )
 
@@ -947,13 +948,11 @@ async def open_reconciler(settings: Settings, urls: list[str]) -> Reconciler:
         )
         await lock.provision()
     except BaseException:
-        with contextlib.suppress(*_NatsFailure):
-            await nc.close()
+        await close_nats(nc)
         raise
 
     async def close() -> None:
-        with contextlib.suppress(*_NatsFailure):
-            await nc.close()
+        await close_nats(nc)
 
     stores = Stores(bodies, entries, scheduler, close)
     inventory = JetStreamInventory(nc, names, bodies, entries, timeout_s=timeout_s)

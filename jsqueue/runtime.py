@@ -112,10 +112,11 @@ async def embedded_nats(
     log.info("embedded nats-server on %s (store %s)", server.url, settings.nats.store_dir)
 
     async def watch() -> None:
+        pid = server.pid  # None once it has exited
         # The child is a Popen; polling it once a second is the cheapest watch.
         while server.running:  # noqa: ASYNC110
             await asyncio.sleep(1.0)
-        log.error("embedded nats-server (pid %s) exited unexpectedly", server.pid)
+        log.error("embedded nats-server (pid %s) exited unexpectedly", pid)
         if on_exit is not None:
             on_exit()
 

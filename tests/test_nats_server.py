@@ -168,6 +168,10 @@ async def test_provisioning_creates_everything_with_design_settings(
         assert work.duplicate_window == 120
         events = (await js.stream_info(names.events_stream)).config
         assert events.retention == "limits" and events.subjects == [f"{names.prefix}.events.>"]
+        assert events.max_bytes == settings.events_max_bytes and events.discard == "old"
+        # Best-effort events: one replica writes them without an fsync each (ADR-56).
+        assert events.persist_mode == "async"
+        assert kv.persist_mode in (None, "default") and work.persist_mode in (None, "default")
         cc = (await js.consumer_info(names.work_stream, names.work_consumer)).config
         assert cc.durable_name == names.work_consumer
         assert cc.ack_policy == "explicit"
@@ -245,16 +249,41 @@ async def test_existing_stream_with_wrong_retention(
         await open_jetstream(make_settings(), [nats_server.url], names=names)
 
 
-async def test_changed_stream_settings_are_applied(nats_server: EmbeddedNats, names: Names) -> None:
+async def test_events_fsync_setting_keeps_every_event_synced(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    """``nats.events_fsync``: the events stream is created in the default persist mode (an
+    fsync per event under ``sync_interval: always``), like the queue's own streams."""
+    stores = await open_jetstream(make_settings(events_fsync=True), [nats_server.url], names=names)
+    await stores.close()
+    nc = await connect(nats_server.url)
+    try:
+        events = (await nc.jetstream().stream_info(names.events_stream)).config
+        assert events.persist_mode in (None, "default")
+    finally:
+        await nc.close()
+
+
+async def test_changed_stream_settings_are_applied(
+    nats_server: EmbeddedNats, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An events stream from an earlier version gets the new limits; its persist mode, which
+    the server fixes at creation, is kept with a warning instead of failing the start."""
     nc = await connect(nats_server.url)
     js = nc.jetstream()
     await js.add_stream(name=names.events_stream, subjects=[names.event_subject(">")], max_age=3600)
     try:
-        stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+        settings = make_settings(events_max_bytes=5 << 20)
+        stores = await open_jetstream(settings, [nats_server.url], names=names)
         await stores.close()
         events = (await js.stream_info(names.events_stream)).config
         assert events.max_age == 7 * 86400
         assert events.duplicate_window == 120
+        assert events.max_bytes == 5 << 20
+        assert events.persist_mode in (None, "default")
+        assert f"stream {names.events_stream} keeps persist_mode 'default'" in caplog.text
+        stores = await open_jetstream(settings, [nats_server.url], names=names)  # idempotent
+        await stores.close()
     finally:
         await nc.close()
 

@@ -57,6 +57,7 @@ async def test_up_accepts_mail_and_stops_when_its_nats_server_dies(tmp_path: Pat
         err = (await proc.stderr.read()).decode()
         assert code == 1
         assert "Traceback" not in err
+        assert f"embedded nats-server (pid {nats_pids[0]}) exited unexpectedly" in err
         assert err.strip().splitlines()[-1].startswith("jsqueue: the embedded nats-server died")
     finally:
         if proc.returncode is None:

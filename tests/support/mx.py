@@ -268,6 +268,8 @@ class ScriptedMx(_MxBase):
             as the ClientHello arrives (CASE-20 variant A).
         smtputf8: accept non-ASCII command lines; otherwise they get ``500 5.5.2``.
         keep_data: keep ``raw``/``content`` of transactions; False = sink (hash and size).
+        read_limit: the line reader's buffer limit, octets; it buffers up to twice that
+            before it stops reading (memory tests lower it: the MX shares their process).
         max_line_length: answer ``550 5.5.2 line too long`` after the data when a line of
             the message is longer (CASE-25).
         hook: ``(session, line) -> reply | None``: called first for every command line;
@@ -296,6 +298,7 @@ class ScriptedMx(_MxBase):
         tls_abort: bool = False,
         smtputf8: bool = False,
         keep_data: bool = True,
+        read_limit: int = 4 * 1024 * 1024,
         max_line_length: int | None = None,
         hook: Callable[[Session, str], str | None] | None = None,
     ) -> None:
@@ -316,13 +319,14 @@ class ScriptedMx(_MxBase):
         self.tls_abort = tls_abort
         self.smtputf8 = smtputf8
         self.keep_data = keep_data
+        self.read_limit = read_limit
         self.max_line_length = max_line_length
         self.hook = hook
 
     async def start(self) -> ScriptedMx:
         """Start listening on (host, port); ``port`` is set when it was 0."""
         self._server = await asyncio.start_server(
-            self._handle, self.host, self.port, limit=4 * 1024 * 1024
+            self._handle, self.host, self.port, limit=self.read_limit
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self
