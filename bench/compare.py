@@ -497,8 +497,11 @@ def run_scenario(
         cpu = meter.total() - cpu0
         harness_cpu = _own_cpu() - own0
         after = meter.by_root()
-        names = {**{v: k for k, v in system.processes().items()}}
-        by_process = {names.get(pid, str(pid)): after[pid] - roots[pid] for pid in after}
+        names = {v: k for k, v in system.processes().items()}
+        by_process: dict[str, float] = {}
+        for pid in after:  # unnamed roots (jsqueue: `jsqueue nats` and its nats-server) as one
+            role = names.get(pid, "other")
+            by_process[role] = by_process.get(role, 0.0) + after[pid] - roots[pid]
         result = Result(
             system=system.name,
             scenario=scenario.key,
@@ -857,7 +860,7 @@ def report(
         if j:
             rss = j.peak_rss_kib
             cpu = j.cpu_by_process
-            nats = sum(v for k, v in cpu.items() if k not in ("smtp", "worker"))
+            nats = cpu.get("other", 0.0)
             lines.append(
                 f"| {sc.title} | {rss.get('jsqueue smtp', 0) / 1024:.0f} | "
                 f"{rss.get('jsqueue worker', 0) / 1024:.0f} | "
