@@ -24,7 +24,7 @@ import pytest
 
 from jsqueue.config import NatsSettings, Settings
 from jsqueue.envelope import utcnow
-from jsqueue.errors import JsqueueError, RevisionConflict, StoreUnavailable
+from jsqueue.errors import JsqueueError, ProvisioningError, RevisionConflict, StoreUnavailable
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_cluster import EmbeddedCluster, cluster_config
 from jsqueue.reconciler import Reconciler, open_reconciler
@@ -181,6 +181,25 @@ async def test_everything_is_replicated_three_times(
         assert consumer.cluster is not None and len(consumer.cluster.replicas or []) == 2
     finally:
         await rec.close()
+
+
+async def test_scaling_an_async_events_stream_to_three_replicas_is_refused_by_name(
+    nats_cluster: EmbeddedCluster, cluster_settings: NatsSettings, names: Names
+) -> None:
+    """A queue started with nats.replicas = 1 on a cluster has an async events stream (no
+    fsync per event); the server cannot replicate that mode, so raising nats.replicas to 3
+    stops the start with one line naming the events stream and the setting (the streams
+    provisioned before it are scaled to 3; the events stream must be recreated)."""
+    single = cluster_settings.model_copy(update={"replicas": 1})
+    stores = await open_jetstream(single, names=names)
+    await stores.close()
+    with pytest.raises(ProvisioningError) as refused:
+        stores = await open_jetstream(cluster_settings, names=names)
+        await stores.close()
+    assert str(refused.value).startswith(
+        f"stream {names.events_stream}: num_replicas is 1, want 3; the server refused"
+    ), refused.value
+    assert "\n" not in str(refused.value)
 
 
 async def test_cli_runs_a_local_cluster(tmp_path: Path, names: Names) -> None:
