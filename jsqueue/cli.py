@@ -19,7 +19,6 @@ from typing import Annotated, Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import typer
-import uvloop
 from pydantic import BaseModel, ValidationError
 
 from jsqueue.admin import (
@@ -75,11 +74,7 @@ def _settings() -> Settings:
 
 
 def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop)`` with SIGTERM/SIGINT setting ``stop``; errors become one line.
-
-    The event loop is uvloop's (libuv): the same asyncio API with less CPU per socket
-    event, which the front end and the worker spend most of their time in (bench/).
-    """
+    """Run ``main(stop)`` with SIGTERM/SIGINT setting ``stop``; errors become one line."""
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -89,7 +84,7 @@ def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     try:
-        uvloop.run(runner())
+        asyncio.run(runner())
     except ConfigError as e:
         _fail(f"invalid configuration: {e}", 2)
     except (JsqueueError, OSError) as e:
