@@ -173,7 +173,16 @@ async def test_everything_is_replicated_three_times(
         entries = cluster_stores.entries
         assert isinstance(entries, JetStreamEntryStore)
         for stream in queue_streams(names):
-            info = await entries.js.stream_info(stream)
+            # A freshly created R3 stream may still be electing its leader: INFO can time
+            # out once under load (seen in CI); ask again for up to 20 s.
+            for _ in range(4):
+                try:
+                    info = await entries.js.stream_info(stream)
+                    break
+                except nats.errors.TimeoutError:
+                    continue
+            else:
+                raise AssertionError(f"{stream}: no STREAM.INFO answer within 20 s")
             assert info.config.num_replicas == 3, stream
             assert info.cluster is not None and len(info.cluster.replicas or []) == 2, stream
             assert (await nats_cluster.stream_leader(stream)).startswith("jsqueue-")
