@@ -959,9 +959,8 @@ class _Ingest:
         body: asyncio.Future[BodyInfo] | None = None
         try:
             async with asyncio.timeout(self._settings.store_timeout_s):
-                # Body and ingest-log claim at the same time; the entry once the body is
-                # stored (an entry never names a body that failed); then the work items:
-                # three round trips before the 250.
+                # Body and ingest-log claim at the same time; the entry and the work items
+                # once the body is stored (an entry never names a body that failed).
                 body = asyncio.ensure_future(upload.finish())
                 earlier = await self._earlier_copy(key, queue_id) if key is not None else None
                 if earlier is not None:

@@ -150,6 +150,65 @@ async def test_restart_mid_delivery_case14(
     assert after.last_attempt_at >= before.next_attempt_at
 
 
+@pytest.mark.parametrize("kill_point", ["before body delete", "before ack"])
+async def test_restart_after_the_fast_path_removal(
+    queue_harness: Harness,
+    nats_server: EmbeddedNats,
+    monkeypatch: pytest.MonkeyPatch,
+    kill_point: str,
+) -> None:
+    """CASE-14's K4 for mail that owes no DSN: the worker removes the delivered entry with
+    its compare-and-set (jsqueue.worker, one synced write less) and dies before removing the
+    body, or before the ack; NATS restarts too. The item comes back after the ack wait,
+    finds the entry deleted and is settled at once: one copy at the MX, nothing left to
+    work on (a body left behind is an orphan for the reconciler, never delivered)."""
+    h = queue_harness
+    h.dns.add(case_text("CASE-14", "dns.txt") + SENDER_ZONE)
+    crashed = asyncio.Event()
+    w1 = h.worker()
+
+    def crash() -> None:
+        crashed.set()
+        raise Crash(kill_point)
+
+    if kill_point == "before body delete":
+        delete = w1.stores.bodies.delete
+
+        async def crashing_delete(queue_id: str) -> None:
+            if not crashed.is_set():
+                crash()
+            await delete(queue_id)
+
+        monkeypatch.setattr(w1.stores.bodies, "delete", crashing_delete)
+    else:
+        ack = JetStreamDue.ack
+
+        async def crashing_ack(self: JetStreamDue) -> None:
+            if not crashed.is_set():
+                crash()
+            await ack(self)
+
+        monkeypatch.setattr(JetStreamDue, "ack", crashing_ack)
+
+    async with SmtpdMx("127.0.2.100", h.mx_port) as ok:
+        qid = await h.submit(case_message("CASE-14"), ["ok@ok.example.test"])
+        stop = asyncio.Event()
+        task = asyncio.create_task(w1.run(stop))
+        await asyncio.wait_for(crashed.wait(), 15)
+        await kill(task, w1, stop)
+        assert await gone(h, qid), "removed by the compare-and-set before the crash"
+        nats_server.kill()
+        await nats_server.start()
+        assert await h.stores.scheduler.backlog() == 1, "the item was not settled"
+        async with h.running():
+
+            async def settled() -> bool:
+                return await h.stores.scheduler.backlog() == 0
+
+            await eventually(settled, 20, what="the redelivered item settled")
+    assert sum(t.rcpt_to.count("ok@ok.example.test") for t in ok.delivered) == 1
+
+
 def log_tail(tmp_path: Path) -> str:
     log = tmp_path / "worker.log"
     return log.read_text()[-2000:] if log.exists() else ""

@@ -566,28 +566,31 @@ class ConnectionCache:
         """The most recently used idle session for ``key`` still fit for reuse, or None."""
         pool = self._idle.get(key)
         now = asyncio.get_running_loop().time()
-        while pool:
+        found: _Idle | None = None
+        while pool and found is None:
             idle = pool.pop()
             if idle.timer is not None:
                 idle.timer.cancel()
             if now - idle.opened_at < self.max_age_s and idle.smtp.is_connected:
-                return idle
-            self._close(key, idle)
-        return None
+                found = idle
+            else:
+                self._close(key, idle)
+        if pool is not None and not pool:
+            del self._idle[key]  # no empty pool per target ever seen
+        return found
 
     def put(self, key: _CacheKey, idle: _Idle) -> bool:
         """Keep ``idle`` for reuse; False (and nothing kept) when the cache will not."""
         loop = asyncio.get_running_loop()
-        pool = self._idle.setdefault(key, [])
         if (
             self._closed
             or self.idle_s <= 0
-            or len(pool) >= self.max_idle
+            or len(self._idle.get(key, ())) >= self.max_idle
             or loop.time() - idle.opened_at >= self.max_age_s
         ):
             return False
         idle.timer = loop.call_later(self.idle_s, self._expire, key, idle)
-        pool.append(idle)
+        self._idle.setdefault(key, []).append(idle)
         return True
 
     def _expire(self, key: _CacheKey, idle: _Idle) -> None:

@@ -905,19 +905,11 @@ class JetStreamBodyStore:
             if meta is None:
                 raise BodyNotFound(queue_id)
             nuid = meta["nuid"]
-            size = int(meta.get("size") or 0)
-            if expect is not None and (expect.size, expect.digest) != (
-                size,
-                _hex_digest(meta["digest"]),
-            ):
+            stored = BodyInfo(size=int(meta.get("size") or 0), digest=_hex_digest(meta["digest"]))
+            if expect is not None and expect != stored:
                 raise BodyCorrupt(f"body {queue_id}: not the expected size and digest")
-            chunks = self._chunks(
-                queue_id,
-                nuid,
-                size,
-                _hex_digest(meta["digest"]),
-                int(meta.get("chunks") or 0),
-            )
+            n_chunks = int(meta.get("chunks") or 0)
+            chunks = self._chunks(queue_id, nuid, stored.size, stored.digest, n_chunks)
         self._remember(queue_id, nuid)
         try:
             async for chunk in chunks:
@@ -1463,10 +1455,9 @@ class JetStreamIngestLog:
     One key per content key holding ``{"id": queue id, "at": unix seconds}``. The bucket
     forgets records after :data:`INGEST_MAX_AGE_S`, so a dedupe window beyond that is cut
     to it. Lookups are direct gets (no consumer); records are plain puts, claims puts that
-    expect no record. The bucket is
-    held in the NATS servers' memory (no fsync per message) and bounded by
-    :data:`INGEST_MAX_BYTES`: a full NATS restart, or more records than fit, forgets the
-    oldest; a resend of a forgotten message is queued anew, as without the log.
+    expect no record. The bucket is held in the NATS servers' memory (no fsync per message)
+    and bounded by :data:`INGEST_MAX_BYTES`: a full NATS restart, or more records than fit,
+    forgets the oldest; a resend of a forgotten message is queued anew, as without the log.
     """
 
     def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0) -> None:
