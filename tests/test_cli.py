@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import uvloop
 from test_admin import DEST_ZONE, MESSAGE, RCPT
 
 from jsqueue.admin import BulkResult, EntryDetail, EntrySummary, Outcome, QueueStats
@@ -218,3 +219,22 @@ async def test_check(nats_server: EmbeddedNats, names: Names) -> None:
     assert down.code == 1
     assert "Traceback" not in down.err
     assert down.err.strip().splitlines()[-1].startswith("jsqueue: cannot connect to NATS")
+
+
+def test_commands_run_on_uvloop() -> None:
+    """Every command runs its coroutine through ``_run_until_signal``: on uvloop."""
+    from jsqueue import cli
+
+    seen: list[type] = []
+
+    async def main(stop: asyncio.Event) -> None:
+        seen.append(type(asyncio.get_running_loop()))
+        assert not stop.is_set()
+
+    cli._run_until_signal(main)
+    assert seen == [uvloop.Loop]
+
+
+async def test_in_process_tests_run_on_uvloop() -> None:
+    """tests/conftest.py gives in-process tests the loop the processes use."""
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)

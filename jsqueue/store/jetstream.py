@@ -663,8 +663,8 @@ async def close_nats(nc: NATS) -> None:
     """Close ``nc``, whatever state its connection is in. Never raises (cancellation aside).
 
     A connection whose server is gone fails in nats-py's close: a lost-connection error, or
-    (on loops such as uvloop) a RuntimeError when it writes what is still buffered to a
-    transport that is already closed.
+    on uvloop a RuntimeError when it writes what is still buffered to the transport uvloop has
+    closed (the standard loop drops such a write silently).
     """
     with contextlib.suppress(*_NatsFailure, RuntimeError):
         await nc.close()
