@@ -15,7 +15,7 @@ from jsqueue.config import NatsSettings
 from jsqueue.errors import ConfigError, JsqueueError, ProvisioningError, StoreUnavailable
 from jsqueue.names import Names
 from jsqueue.nats_server import DEFAULT_CONFIG, EmbeddedNats, default_config_file, find_nats_server
-from jsqueue.store.jetstream import open_jetstream
+from jsqueue.store.jetstream import close_nats, connect_nats, open_jetstream
 from support.nats import make_settings, unique_names
 
 REPO = Path(__file__).resolve().parent.parent
@@ -311,3 +311,54 @@ async def test_file_backed_ingest_log_is_recreated_in_memory(
         await stores.close()  # and once recreated, the next start leaves it alone
     finally:
         await nc.close()
+
+
+async def test_close_ends_reconnecting_connections(nats_server: EmbeddedNats, names: Names) -> None:
+    """Closing stores whose server is gone leaves no reconnect task running (close_nats):
+    one left behind keeps the event loop from closing, so a process stopping with NATS
+    down would hang on SIGTERM. nats-py can lose the cancellation of that task when it
+    lands on a refused connect, which the timers here (a 1 s request, as the health probe
+    makes, then the 2 s final flush) make likely."""
+    opened = [
+        await open_jetstream(make_settings(), [nats_server.url], names=names) for _ in range(8)
+    ]
+    conns = [stores.bodies._nc for stores in opened]  # type: ignore[attr-defined]
+    nats_server.kill()
+    try:
+        for result in await asyncio.gather(
+            *(nc.request("jsq.probe", b"", timeout=1) for nc in conns), return_exceptions=True
+        ):
+            assert isinstance(result, Exception), "answered with the server gone"
+        await asyncio.gather(*(stores.close() for stores in opened))
+        for nc in conns:
+            assert nc.is_closed
+            task = nc._reconnection_task
+            assert task is None or task.done(), "a reconnect task outlived close"
+    finally:
+        await nats_server.start()
+
+
+async def test_close_repeats_a_lost_cancellation_of_the_reconnect_task(
+    nats_server: EmbeddedNats,
+) -> None:
+    """The mechanism behind close_nats' guarantee, made deterministic: a reconnect task
+    that loses the first cancellation (as nats-py's does when the cancel lands on a refused
+    connect) is cancelled again until it has ended."""
+    nc = await connect_nats(make_settings(), [nats_server.url])
+    lost = 0
+
+    async def loses_one_cancellation() -> None:
+        nonlocal lost
+        while True:
+            try:
+                await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                lost += 1
+                if lost > 1:
+                    raise
+
+    task = asyncio.create_task(loses_one_cancellation())
+    await asyncio.sleep(0)  # running, inside its sleep
+    nc._reconnection_task = task
+    await close_nats(nc)
+    assert nc.is_closed and task.done() and lost == 2

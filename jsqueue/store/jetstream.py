@@ -665,9 +665,21 @@ async def close_nats(nc: NATS) -> None:
     A connection whose server is gone fails in nats-py's close: a lost-connection error, or
     on uvloop a RuntimeError when it writes what is still buffered to the transport uvloop has
     closed (the standard loop drops such a write silently).
+
+    It also makes sure nats-py's reconnect task has ended. ``close()`` cancels that task
+    once, and nats-py (2.16) can lose the cancellation: landing while a connect to a server
+    that is gone is refused, ``asyncio.wait_for`` (Python 3.11) returns the refusal instead,
+    and the server loop retries for ever without looking at ``is_closed``. Timers of equal
+    period (reconnect wait, flush and close timeouts) make that likely, uvloop more so. A
+    task left running keeps the event loop from closing, so a process would hang on
+    SIGTERM; it is cancelled until it has ended (nats-py has no public handle on it).
     """
     with contextlib.suppress(*_NatsFailure, RuntimeError):
         await nc.close()
+    task: asyncio.Task[None] | None = getattr(nc, "_reconnection_task", None)
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECONNECT_WAIT_S / 5)
 
 
 # --------------------------------------------------------------------------- bodies
