@@ -78,7 +78,7 @@ from jsqueue.events import (
     recipient_event,
 )
 from jsqueue.names import check_queue_id
-from jsqueue.store.base import Stores, Versioned, WorkItem
+from jsqueue.store.base import Stores, Versioned, WorkItem, open_entry_body
 
 #: Entries read per store request when scanning the whole queue (``EntryStore.page``).
 SCAN_PAGE = 10_000
@@ -526,13 +526,23 @@ class Admin:
         """
         return EntryDetail.of_versioned(await self.stores.entries.get(check_queue_id(queue_id)))
 
-    def body(self, queue_id: str) -> AsyncGenerator[bytes, None]:
-        """Stream the stored message (raw RFC 5322, CRLF line ends), chunk by chunk.
+    async def body(self, queue_id: str) -> AsyncGenerator[bytes, None]:
+        """Stream the stored message (raw RFC 5322, CRLF line ends), chunk by chunk: the
+        entry's inline body, or the body store's copy (also of a body left without entry).
 
         Raises:
             BodyNotFound, BodyCorrupt, InvalidName, StoreUnavailable (from the iterator).
         """
-        return self.stores.bodies.open(check_queue_id(queue_id))
+        check_queue_id(queue_id)
+        try:
+            chunks = open_entry_body(
+                self.stores.bodies, (await self.stores.entries.get(queue_id)).entry
+            )
+        except EntryNotFound:
+            chunks = self.stores.bodies.open(queue_id)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
     async def stats(self) -> QueueStats:
         """Counts by state and destination domain, the oldest open entry, the backlog.

@@ -24,7 +24,7 @@ from jsqueue.envelope import Entry, Recipient, RecipientState
 from jsqueue.errors import EntryExists
 from jsqueue.names import derived_queue_id
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores, WorkItem, open_entry_body
 
 log = logging.getLogger("jsqueue.bounce")
 
@@ -170,7 +170,7 @@ class DsnNotifier:
         """The returned content: the whole message (RET=FULL within the limit) or headers."""
         full = dsn.returns_full(entry, self.settings.max_returned_size)
         data = bytearray()
-        async with contextlib.aclosing(self.stores.bodies.open(entry.id)) as chunks:
+        async with contextlib.aclosing(open_entry_body(self.stores.bodies, entry)) as chunks:
             async for chunk in chunks:
                 data += chunk
                 if not full and dsn.header_block(bytes(data)) is not None:

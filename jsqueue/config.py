@@ -128,6 +128,13 @@ class SmtpSettings(_Section):
     auth_file: Path | None = Field(None, description="user:hash lines; AUTH disabled when unset")
     dedupe_window_s: float = Field(120.0, ge=0, description="idempotent-ingest window, seconds")
     store_timeout_s: float = Field(30.0, gt=0, description="max time to store before 451")
+    inline_body_max: int = Field(
+        128 * 1024,
+        ge=0,
+        le=256 * 1024,
+        description="messages up to this size, octets, are kept in their entry, not the "
+        "body store (0: never)",
+    )
 
 
 class SmarthostSettings(_Section):

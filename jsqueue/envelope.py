@@ -5,7 +5,9 @@ carries its own state, attempts, last reply and next attempt time (DESIGN.md §2
 entry's state is derived from its recipients, never stored on its own.
 
 All timestamps are timezone-aware UTC datetimes; naive datetimes are rejected. Entries
-round-trip through JSON losslessly (:meth:`Entry.to_json` / :meth:`Entry.from_json`).
+round-trip through their stored form losslessly (:meth:`Entry.to_json` /
+:meth:`Entry.from_json`): one line of JSON, followed by the raw message when the body is
+kept inline (:attr:`Entry.inline_body`).
 """
 
 from __future__ import annotations
@@ -168,6 +170,12 @@ class Entry(BaseModel):
     ``reverse_path`` is the MAIL FROM address without brackets; ``""`` is the null
     reverse-path ``<>`` used by DSNs (RFC 5321 §4.5.5). ``generation`` is bumped by admin
     actions that re-schedule the entry; work items carrying an older generation are stale.
+
+    ``inline_body`` is the raw message (RFC 5322, CRLF line ends) when the front end kept
+    a small body with its entry instead of in the body store (DESIGN.md §3): one synced
+    write instead of three at ingest, and nothing to purge after delivery. None means the
+    body is in the body store under the entry's id. It is never part of the JSON (nor of
+    admin output or events); :meth:`to_json` appends it after the JSON line.
     """
 
     id: str
@@ -187,6 +195,7 @@ class Entry(BaseModel):
     last_error: str | None = None
     leases: dict[str, Lease] = Field(default_factory=dict)
     is_dsn: bool = False
+    inline_body: bytes | None = Field(None, exclude=True, repr=False)
 
     @property
     def state(self) -> EntryState:
@@ -230,17 +239,26 @@ class Entry(BaseModel):
         return min(r.next_attempt_at or self.created_at for r in open_)
 
     def to_json(self) -> bytes:
-        """Serialise to UTF-8 JSON (the KV value)."""
-        return self.model_dump_json(exclude_defaults=False).encode()
+        """Serialise to the stored form (the KV value): the entry as one line of UTF-8 JSON
+        (compact JSON never holds a raw LF), then, for an inline body, LF and the body's
+        octets unchanged (no base64, no escaping)."""
+        data = self.model_dump_json(exclude_defaults=False).encode()
+        if self.inline_body is None:
+            return data
+        return b"".join((data, b"\n", self.inline_body))
 
     @classmethod
     def from_json(cls, data: bytes) -> Entry:
-        """Parse a KV value written by :meth:`to_json`.
+        """Parse a KV value written by :meth:`to_json` (with or without an inline body).
 
         Raises:
             pydantic.ValidationError: the bytes are not a valid entry.
         """
-        return cls.model_validate_json(data)
+        head, sep, body = data.partition(b"\n")
+        entry = cls.model_validate_json(head)
+        if sep:
+            entry.inline_body = body
+        return entry
 
 
 def routing_domain(address: str) -> str:

@@ -6,10 +6,13 @@ caller's event loop) whose DATA handler:
 1. streams the message, with a ``Received:`` trace header prepended (RFC 5321 §4.4), into
    the body store in chunks while it is still arriving (the upload starts once a chunk is
    full, so a small or rejected message never touches the store before the terminator);
+   a message of at most ``smtp.inline_body_max`` octets never goes to the body store: it is
+   kept inline in its entry (:attr:`Entry.inline_body`, DESIGN.md §3), which saves the
+   body's two synced writes and a round trip before the 250, and its purge after delivery;
 2. once the body is stored, creates the queue entry (reverse-path, recipients with
    ORCPT/NOTIFY, HELO name, client address, size, digest, ENVID, RET, SMTPUTF8, 8-bit flag,
-   arrival time) and, at the same time, schedules one work item per distinct recipient
-   domain (a worker that gets an item before its entry tries again shortly:
+   arrival time, inline body) and, at the same time, schedules one work item per distinct
+   recipient domain (a worker that gets an item before its entry tries again shortly:
    :data:`jsqueue.state.CREATE_GRACE_S`);
 3. only when all of them are stored replies ``250 2.0.0 queued as <id>``.
 
@@ -311,18 +314,23 @@ class _BodyUpload:
 
     The put starts when the first chunk is full (or at :meth:`finish`). Every hand-over waits
     at most ``timeout_s`` for the store; after a failure further writes are dropped and
-    :attr:`error` says why.
+    :attr:`error` says why. A message of at most ``inline_max`` octets (never more than
+    :data:`BODY_CHUNK`) is not stored: :meth:`finish` leaves it in :attr:`inline`.
     """
 
-    def __init__(self, bodies: BodyStore, queue_id: str, timeout_s: float) -> None:
+    def __init__(
+        self, bodies: BodyStore, queue_id: str, timeout_s: float, inline_max: int = 0
+    ) -> None:
         self._bodies = bodies
         self._id = queue_id
         self._timeout_s = timeout_s
+        self._inline_max = min(inline_max, BODY_CHUNK)
         self._buf = bytearray()
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
         self._task: asyncio.Task[BodyInfo] | None = None
         self._touched = False
         self.error: BaseException | None = None
+        self.inline: bytes | None = None
 
     async def write(self, data: bytes) -> None:
         if self.error is not None:
@@ -356,7 +364,8 @@ class _BodyUpload:
             self.error = TimeoutError(f"body store took no chunk within {self._timeout_s} s")
 
     async def finish(self) -> BodyInfo:
-        """Hand over the rest and wait for the store's answer.
+        """Hand over the rest and wait for the store's answer; a message small enough to be
+        kept inline is not stored but left in :attr:`inline` (size and digest computed here).
 
         Raises:
             StoreError, TimeoutError: whatever stopped the upload.
@@ -364,9 +373,12 @@ class _BodyUpload:
         if self.error is not None:
             raise self.error
         if self._task is None:
-            self._touched = True
             data = bytes(self._buf)
             self._buf.clear()
+            if len(data) <= self._inline_max:
+                self.inline = data
+                return BodyInfo(size=len(data), digest=hashlib.sha256(data).hexdigest())
+            self._touched = True
             return await self._bodies.put(self._id, _one_chunk(data), fresh=True)
         for item in (bytes(self._buf), None):
             if item != b"":
@@ -376,9 +388,22 @@ class _BodyUpload:
         self._buf.clear()
         return await self._task
 
+    async def store_inline(self) -> BodyInfo:
+        """Store the body :meth:`finish` left inline after all (the entry would be too large
+        with it); :attr:`inline` is None afterwards.
+
+        Raises:
+            StoreError: the body store failed.
+        """
+        assert self.inline is not None
+        data, self.inline = self.inline, None
+        self._touched = True
+        return await self._bodies.put(self._id, _one_chunk(data), fresh=True)
+
     async def abort(self) -> None:
         """Stop the upload and delete whatever reached the store (best effort, logged)."""
         self._buf.clear()
+        self.inline = None
         if self._task is not None:
             if not self._task.done():
                 self._task.cancel()
@@ -834,7 +859,12 @@ class _Session(SMTP):
         await self.push(_GO_AHEAD)
         queue_id = new_queue_id()
         settings = self._settings
-        upload = _BodyUpload(self._server.stores.bodies, queue_id, settings.store_timeout_s)
+        upload = _BodyUpload(
+            self._server.stores.bodies,
+            queue_id,
+            settings.store_timeout_s,
+            inline_max=settings.inline_body_max,
+        )
         decoder = DataDecoder(
             max_size=settings.max_message_size, bare_line_endings=settings.bare_line_endings
         )
@@ -982,7 +1012,11 @@ class _Ingest:
                     ret=txn.ret,
                     smtputf8=txn.smtputf8,
                     body_8bit=eight_bit,
+                    inline_body=upload.inline,
                 )
+                if upload.inline is not None and not self._fits(entry):
+                    entry.inline_body = None
+                    info = await upload.store_inline()
                 stage = "entry and work items"
                 # Both at once: two round trips before the 250, not three. A worker that
                 # gets an item before the entry is stored tries it again shortly
@@ -1019,6 +1053,11 @@ class _Ingest:
         )
         self._observer.emit(received_event(entry))
         return f"{R250_QUEUED} {queue_id}"
+
+    def _fits(self, entry: Entry) -> bool:
+        """Whether ``entry`` with its inline body stays within half the entry store's
+        largest value (room for the replies and leases it gathers as it is delivered)."""
+        return len(entry.to_json()) <= self._stores.entries.max_value_size // 2
 
     async def _record(self, key: str, queue_id: str) -> None:
         assert self._log is not None

@@ -157,7 +157,8 @@ def review(
         entry: the entry as read.
         work_subjects: the work-stream subjects that hold at least one item of this entry
             (or a superset: subjects of other entries are ignored).
-        has_body: whether a body is stored under the entry's id.
+        has_body: whether a body is stored under the entry's id in the body store (an
+            inline body, :attr:`Entry.inline_body`, counts as stored too).
         names: object names (for :meth:`Names.work_subject`).
         now: the current time, aware.
         settings: margins and retention.
@@ -166,6 +167,7 @@ def review(
         the actions, empty when the entry is consistent (or too young to judge).
     """
     qid = entry.id
+    has_body = has_body or entry.inline_body is not None
     present = set(work_subjects)
     own = {names.work_subject(qid, d) for d in entry.domains}
     has_trigger = bool(own & present)

@@ -25,10 +25,16 @@ from typing import Protocol
 from jsqueue import state
 from jsqueue.config import WorkerSettings
 from jsqueue.envelope import Entry, Recipient, Reply, utcnow
-from jsqueue.errors import EntryDeleted, EntryNotFound, RevisionConflict, StoreUnavailable
+from jsqueue.errors import (
+    BodyNotFound,
+    EntryDeleted,
+    EntryNotFound,
+    RevisionConflict,
+    StoreUnavailable,
+)
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import BodyInfo, Due, Stores, Versioned
+from jsqueue.store.base import Due, Stores, Versioned, open_entry_body
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -246,9 +252,6 @@ class Worker:
         item = due.item
         entry = claimed.entry
         recipients = entry.open_recipients(item.domain)
-        # The entry knows the body's size and digest (the front end stored them): the
-        # body store can skip reading its own record of them.
-        body = BodyInfo(size=entry.size, digest=entry.digest) if entry.digest else None
         started = self.clock()
         heartbeat = asyncio.create_task(self._heartbeat(due))
         try:
@@ -256,7 +259,7 @@ class Worker:
                 entry,
                 item.domain,
                 recipients,
-                lambda: self.stores.bodies.open(entry.id, expect=body),
+                lambda: self._body(entry),
             )
         finally:
             heartbeat.cancel()
@@ -279,8 +282,9 @@ class Worker:
                 if self._removable(new, now):
                     # Done and nothing owed: the compare-and-set that would record the
                     # outcome removes the entry instead (one synced write less). The body
-                    # goes after it; a crash in between leaves an orphan body for the
-                    # reconciler, never an entry without its body.
+                    # goes after it (an inline body went with the entry); a crash in
+                    # between leaves an orphan body for the reconciler, never an entry
+                    # without its body.
                     await self.stores.entries.delete(new.id, revision=v.revision)
                     v, removed = Versioned(new, v.revision), True
                 else:
@@ -292,7 +296,8 @@ class Worker:
             raise RevisionConflict(f"queue {item.queue_id}: could not record outcomes")
         self._log_attempt(v.entry, item.domain, recorded, started, now)
         if removed:
-            await self.stores.bodies.delete(v.entry.id)
+            if v.entry.inline_body is None:
+                await self.stores.bodies.delete(v.entry.id)
             log.info("queue %s: done, removed", v.entry.id)
         else:
             await self._finish(v)
@@ -300,6 +305,22 @@ class Worker:
             await due.ack()
         else:
             await due.retry(recorded.retry_delay_s)
+
+    def _body(self, entry: Entry) -> AsyncIterator[bytes]:
+        """The body to send at DATA. A stored body deleted meanwhile (admin delete) raises
+        BodyNotFound there and the transaction is abandoned before its final dot (RFC 5321
+        §4.1.1.4); an inline body travels with the claimed entry, so the entry is read
+        again first to give a delete the same effect (one read, as a stored body's is)."""
+        if entry.inline_body is None:
+            return open_entry_body(self.stores.bodies, entry)
+        return self._inline_if_queued(entry)
+
+    async def _inline_if_queued(self, entry: Entry) -> AsyncIterator[bytes]:
+        if await self._get(entry.id) is None:
+            raise BodyNotFound(f"{entry.id} (entry deleted during delivery)")
+        async with contextlib.aclosing(open_entry_body(self.stores.bodies, entry)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _removable(self, entry: Entry, now: datetime) -> bool:
         """Final, not a DSN (those stay, see :meth:`_finish`) and owing no DSN."""
@@ -323,7 +344,8 @@ class Worker:
                 if marked is not None:
                     v = Versioned(marked, await self.stores.entries.update(marked, v.revision))
                 if v.entry.is_final:
-                    await self.stores.bodies.delete(v.entry.id)
+                    if v.entry.inline_body is None:
+                        await self.stores.bodies.delete(v.entry.id)
                     if v.entry.is_dsn:
                         # A final DSN entry stays (without body) so that a DSN re-enqueued
                         # after a crash finds it and is not sent twice (jsqueue.bounce);

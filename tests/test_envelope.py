@@ -82,6 +82,26 @@ def test_json_round_trip_is_lossless() -> None:
     assert again.to_json() == data
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"Subject: x\r\n\r\nline\r\n", b'\n\n{"id": 1}\n', bytes(range(256)) * 40],
+)
+def test_inline_body_travels_after_the_json_line(body: bytes) -> None:
+    """DESIGN.md §3: an inline body follows the entry's JSON line unchanged (LF, NUL and
+    8-bit octets included); it is neither in the JSON nor in the repr."""
+    entry = entry_with(RecipientState.PENDING).model_copy(update={"inline_body": body})
+    data = entry.to_json()
+    line, sep, rest = data.partition(b"\n")
+    assert sep == b"\n" and rest == body
+    assert b"inline_body" not in line and "inline_body" not in entry.model_dump()
+    assert repr(body) not in repr(entry)
+    again = Entry.from_json(data)
+    assert again == entry and again.inline_body == body
+    assert again.to_json() == data
+    stored_apart = Entry.from_json(line)  # the same entry without it: body in the body store
+    assert stored_apart.inline_body is None and b"\n" not in stored_apart.to_json()
+
+
 def test_timestamps_are_utc_and_naive_is_rejected() -> None:
     plus2 = timezone(timedelta(hours=2))
     local = datetime(2026, 1, 2, 5, 4, 5, tzinfo=plus2)

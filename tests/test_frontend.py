@@ -20,13 +20,13 @@ import pytest
 from jsqueue.config import BareLinePolicy
 from jsqueue.envelope import Notify
 from jsqueue.store.base import Stores
-from jsqueue.store.memory import open_memory
+from jsqueue.store.memory import MemoryEntryStore, open_memory
 from support.cases import CASES, case_file
 from support.frontend import (
     FaultyStores,
     Reply,
     Wire,
-    body_of,
+    body_store_count,
     dot_stuff,
     entries_of,
     frontend_settings,
@@ -38,6 +38,7 @@ from support.frontend import (
     start_child,
     stop_child,
 )
+from support.nats import read_body
 
 MESSAGE = (
     b"From: Alice <alice@example.test>\r\nTo: Bob <bob@dest.example.test>\r\n"
@@ -101,7 +102,7 @@ async def test_smtplib_message_is_queued_with_every_envelope_field(mem: Stores) 
         False,
     )
     assert (entry.helo, entry.client_address) == ("client.example.test", "127.0.0.1")
-    body = await body_of(mem, entry.id)
+    body = await read_body(mem, entry.id)
     received, rest = split_body(body)
     assert rest == MESSAGE
     assert (entry.size, entry.digest) == (len(body), hashlib.sha256(body).hexdigest())
@@ -121,7 +122,7 @@ async def test_aiosmtplib_and_single_recipient_trace(mem: Stores) -> None:
         errors, text = await aiosmtplib.send(msg, hostname="127.0.0.1", port=server.port)
     assert errors == {} and "queued as" in text
     [entry] = await entries_of(mem)
-    received, rest = split_body(await body_of(mem, entry.id))
+    received, rest = split_body(await read_body(mem, entry.id))
     assert b"\tfor <bob@dest.example.test>;\r\n" in received
     assert rest == msg.as_bytes(policy=msg.policy.clone(linesep="\r\n"))
 
@@ -147,7 +148,7 @@ async def test_swaks_sends_through_the_front_end(mem: Stores) -> None:
         "eve@other.example.test",
     ]
     assert entry.helo == "swaks.example.test"
-    assert b"hello from swaks" in await body_of(mem, entry.id)
+    assert b"hello from swaks" in await read_body(mem, entry.id)
 
 
 async def test_ehlo_capabilities_and_enhanced_codes(mem: Stores) -> None:
@@ -186,7 +187,7 @@ async def test_helo_session_uses_plain_smtp(mem: Stores) -> None:
         )
         entry = (await entries_of(mem))[0]
         assert entry.id == queued_id(reply)
-        assert b" with SMTP id " in split_body(await body_of(mem, entry.id))[0]
+        assert b" with SMTP id " in split_body(await read_body(mem, entry.id))[0]
 
 
 async def test_pipelined_transaction_gets_replies_in_order(mem: Stores) -> None:
@@ -439,7 +440,63 @@ async def test_large_message_streams_intact(mem: Stores) -> None:
         qid = queued_id(
             await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(message))
         )
-    assert split_body(await body_of(mem, qid))[1] == message
+    assert split_body(await read_body(mem, qid))[1] == message
+
+
+async def test_small_message_is_kept_inline_in_its_entry(mem: Stores) -> None:
+    """DESIGN.md §3: a message up to ``smtp.inline_body_max`` octets is stored in its entry
+    (the body store is not written) with the size and digest of what was received."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        qid = queued_id(
+            await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE))
+        )
+    [entry] = await entries_of(mem)
+    assert entry.id == qid and entry.inline_body is not None
+    assert split_body(entry.inline_body)[1] == MESSAGE
+    assert (entry.size, entry.digest) == (
+        len(entry.inline_body),
+        hashlib.sha256(entry.inline_body).hexdigest(),
+    )
+    assert body_store_count(mem) == 0
+
+
+@pytest.mark.parametrize("inline_max", [0, 1024])
+async def test_message_over_the_inline_limit_goes_to_the_body_store(
+    mem: Stores, inline_max: int
+) -> None:
+    """A message larger than ``smtp.inline_body_max`` (0: every message) is stored in the
+    body store and its entry carries no inline body."""
+    message = b"Subject: over\r\n\r\n" + (b"y" * 70 + b"\r\n") * 20
+    async with running(frontend_settings(inline_body_max=inline_max), mem) as server:
+        w = await Wire.connect(server.port)
+        qid = queued_id(
+            await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(message))
+        )
+    [entry] = await entries_of(mem)
+    assert entry.inline_body is None and body_store_count(mem) == 1
+    assert split_body(b"".join([c async for c in mem.bodies.open(qid)]))[1] == message
+
+
+async def test_entry_too_large_for_an_inline_body_keeps_it_in_the_body_store(
+    mem: Stores,
+) -> None:
+    """An entry that would exceed half the entry store's largest value with its body (many
+    recipients) gets the body stored apart instead of a refused write and a 451."""
+    assert isinstance(mem.entries, MemoryEntryStore)
+    mem.entries.max_value_size = 32 * 1024
+    rcpts = [f"user{i:03d}@dest.example.test" for i in range(100)]
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        big = queued_id(await w.transaction("a@example.test", rcpts, dot_stuff(MESSAGE)))
+        small = queued_id(
+            await w.transaction(
+                "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE), ehlo=False
+            )
+        )
+    inline = {e.id: e.inline_body is not None for e in await entries_of(mem)}
+    assert inline == {big: False, small: True} and body_store_count(mem) == 1
+    assert split_body(await read_body(mem, big))[1] == MESSAGE
 
 
 # ------------------------------------------------------------------------ cases
@@ -483,7 +540,7 @@ async def test_case01_smuggling_accepted_as_one_message(mem: Stores, payload: st
     [entry] = await entries_of(mem)
     assert entry.reverse_path == "alice@example.test"
     assert [r.address for r in entry.recipients] == ["bob@dest.example.test"]
-    body = await body_of(mem, entry.id)
+    body = await read_body(mem, entry.id)
     assert b"MAIL FROM:<ceo@trusted.example.test>" in body
     assert body.count(b"\r") == body.count(b"\n") == body.count(b"\r\n")
 
@@ -503,7 +560,7 @@ async def test_case03_variant_a_dots_byte_identical(mem: Stores) -> None:
         code, _ = await asyncio.to_thread(send)
     assert code == 250
     [entry] = await entries_of(mem)
-    assert split_body(await body_of(mem, entry.id))[1] == message
+    assert split_body(await read_body(mem, entry.id))[1] == message
 
 
 async def test_case03_variant_b_under_both_policies() -> None:
@@ -521,7 +578,7 @@ async def test_case03_variant_b_under_both_policies() -> None:
         if code == 550:
             assert r.enhanced == "5.6.11" and entries == []
             continue
-        body = split_body(await body_of(stores, entries[0].id))[1].split(b"\r\n\r\n", 1)[1]
+        body = split_body(await read_body(stores, entries[0].id))[1].split(b"\r\n\r\n", 1)[1]
         assert body.split(b"\r\n")[:-1] == [
             b".first body line starts with a dot", b".", b"..", b"...", b".hidden",
             b"middle line", b"",
@@ -558,7 +615,7 @@ async def test_case23_utf8_addresses(mem: Stores) -> None:
         ("müller@intl.example.test", "intl.example.test"),
     ]
     assert entry.smtputf8 and entry.body_8bit
-    received = split_body(await body_of(mem, qid))[0]
+    received = split_body(await read_body(mem, qid))[0]
     assert b" with UTF8SMTP id " in received
 
 
@@ -595,7 +652,7 @@ async def test_case25_long_lines_at_ingress(mem: Stores) -> None:
         assert (results[name].code, results[name].enhanced) == (500, "5.5.2"), name
     [entry] = await entries_of(mem)
     assert entry.id == queued_id(results["message-998.eml"])
-    assert split_body(await body_of(mem, entry.id))[1] == case_file("CASE-25", "message-998.eml")
+    assert split_body(await read_body(mem, entry.id))[1] == case_file("CASE-25", "message-998.eml")
 
 
 # ------------------------------------------------------------------------ store failures
@@ -604,10 +661,12 @@ async def test_case25_long_lines_at_ingress(mem: Stores) -> None:
 @pytest.mark.parametrize("step", ["put", "create", "schedule"])
 async def test_store_failure_answers_451_and_cleans_up(step: str) -> None:
     """DESIGN.md §2.1: a failed store step → 451 4.3.0, never 250; what was stored is deleted;
-    the same session can send again once the store is back."""
+    the same session can send again once the store is back. (A put happens only for a body
+    that is not kept inline: ``inline_body_max=0`` for that step.)"""
     faulty = FaultyStores()
     faulty.fault(step).fail = True
-    async with running(frontend_settings(), faulty.stores) as server:
+    settings = frontend_settings(inline_body_max=0 if step == "put" else 128 * 1024)
+    async with running(settings, faulty.stores) as server:
         w = await Wire.connect(server.port)
         r = await w.transaction(
             "a@example.test", ["b@dest.example.test", "c@x.test"], dot_stuff(MESSAGE)

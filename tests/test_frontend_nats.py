@@ -19,14 +19,13 @@ from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
 from support.frontend import (
     Wire,
-    body_of,
     dot_stuff,
     frontend_settings,
     queued_id,
     running,
     split_body,
 )
-from support.nats import make_settings
+from support.nats import make_settings, read_body
 
 MESSAGE = (
     b"From: alice@example.test\r\nTo: bob@dest.example.test\r\nSubject: js\r\n\r\n.dot\r\nbody\r\n"
@@ -50,7 +49,7 @@ async def test_message_is_in_jetstream_before_250(js_stores: Stores) -> None:
     assert errors == {}
     qid = text.rsplit(" ", 1)[1]
     entry = (await js_stores.entries.get(qid)).entry
-    body = await body_of(js_stores, qid)
+    body = await read_body(js_stores, qid)
     assert split_body(body)[1] == msg.as_bytes(policy=msg.policy.clone(linesep="\r\n"))
     assert (entry.size, entry.digest) == (len(body), hashlib.sha256(body).hexdigest())
     due = await js_stores.scheduler.fetch(batch=10, timeout_s=5)
@@ -126,7 +125,7 @@ async def test_nats_outage_gives_451_and_mail_flows_again_after_restart(
                     codes.append(await _attempt(server.port))
             assert set(codes) <= {250, 451}
         assert (await stores.entries.get(before)).entry.reverse_path == "alice@example.test"
-        assert split_body(await body_of(stores, before))[1] == MESSAGE
+        assert split_body(await read_body(stores, before))[1] == MESSAGE
     finally:
         await stores.close()
 

@@ -20,7 +20,6 @@ from support.cases import case_file
 from support.frontend import (
     FrontendCerts,
     Wire,
-    body_of,
     dot_stuff,
     entries_of,
     frontend_settings,
@@ -28,6 +27,7 @@ from support.frontend import (
     running,
     split_body,
 )
+from support.nats import read_body
 
 PASSWORD = "correct horse"
 
@@ -81,7 +81,7 @@ async def test_starttls_with_smtplib(mem: Stores, certs: FrontendCerts) -> None:
         code, _ = await asyncio.to_thread(send)
     assert code == 250
     [entry] = await entries_of(mem)
-    received = split_body(await body_of(mem, entry.id))[0]
+    received = split_body(await read_body(mem, entry.id))[0]
     assert b" with ESMTPS id " in received and b"\t(TLSv1." in received
 
 
@@ -178,7 +178,7 @@ async def test_auth_over_tls_allows_relay(
             "alice@example.test", ["bob@dest.example.test"], dot_stuff(b"Hi\r\n"), ehlo=False
         )
         qid = queued_id(reply)
-    received = split_body(await body_of(mem, qid))[0]
+    received = split_body(await read_body(mem, qid))[0]
     assert b" with ESMTPSA id " in received and b"alice" not in received.split(b" id ")[0]
 
 
@@ -300,4 +300,4 @@ async def test_swaks_starttls_and_auth(mem: Stores, certs: FrontendCerts, auth_f
     assert proc.returncode == 0, out.decode()
     assert b"235 2.7.0" in out and b"250 2.0.0 queued as " in out
     [entry] = await entries_of(mem)
-    assert b" with ESMTPSA id " in split_body(await body_of(mem, entry.id))[0]
+    assert b" with ESMTPSA id " in split_body(await read_body(mem, entry.id))[0]

@@ -26,9 +26,19 @@ from jsqueue.errors import (
     EntryNotFound,
     InvalidName,
     RevisionConflict,
+    StoreUnavailable,
 )
 from jsqueue.names import new_queue_id
-from jsqueue.store.base import BodyInfo, BodyStore, Due, EntryStore, Scheduler, Stores, WorkItem
+from jsqueue.store.base import (
+    BodyInfo,
+    BodyStore,
+    Due,
+    EntryStore,
+    Scheduler,
+    Stores,
+    WorkItem,
+    open_entry_body,
+)
 from jsqueue.store.cache import UNCACHED_MAX, CachedBodyStore
 from jsqueue.store.jetstream import JetStreamBodyStore
 from support.nats import (
@@ -234,6 +244,52 @@ async def test_entry_create_get_update(stores: Stores) -> None:
         await stores.entries.update(entry, rev)  # stale revision
     with pytest.raises(RevisionConflict):
         await stores.entries.update(make_entry(), 1)  # never created
+
+
+async def test_entry_with_an_inline_body(stores: Stores) -> None:
+    """DESIGN.md §3: an inline body is stored, read, updated and listed with its entry,
+    octet for octet; an entry larger than ``max_value_size`` is refused, nothing stored."""
+    body = b"Subject: inline\r\n\r\n" + bytes(range(256)) * 16 + b"\r\n"
+    entry = make_entry().model_copy(update={"inline_body": body, "size": len(body)})
+    rev = await stores.entries.create(entry)
+    assert (await stores.entries.get(entry.id)).entry.inline_body == body
+    changed = entry.model_copy(update={"generation": 2})
+    rev = await stores.entries.update(changed, rev)
+    [listed] = await stores.entries.page()
+    assert listed.entry == changed and listed.entry.inline_body == body
+    assert listed.revision == rev
+
+    limit = stores.entries.max_value_size
+    assert limit >= 512 * 1024
+    too_big = make_entry().model_copy(update={"inline_body": b"x" * limit})
+    with pytest.raises(StoreUnavailable):
+        await stores.entries.create(too_big)
+    with pytest.raises(EntryNotFound):
+        await stores.entries.get(too_big.id)
+    with pytest.raises(StoreUnavailable):
+        await stores.entries.update(changed.model_copy(update={"inline_body": b"x" * limit}), rev)
+    assert (await stores.entries.get(entry.id)).entry.inline_body == body
+
+
+async def test_an_entry_body_is_read_inline_or_from_the_body_store(stores: Stores) -> None:
+    """:func:`open_entry_body`: the inline body or the stored one, either checked against
+    the entry's size and digest (BodyCorrupt, as :meth:`BodyStore.open` raises)."""
+    body = b"Subject: b\r\n\r\n" + b"z" * 5000 + b"\r\n"
+    info = BodyInfo(size=len(body), digest=hashlib.sha256(body).hexdigest())
+    inline = make_entry().model_copy(
+        update={"inline_body": body, "size": info.size, "digest": info.digest}
+    )
+    stored = make_entry().model_copy(update={"size": info.size, "digest": info.digest})
+    await stores.bodies.put(stored.id, chunks_of(body, 1000), fresh=True)
+    for entry in (inline, stored):
+        assert b"".join([c async for c in open_entry_body(stores.bodies, entry)]) == body
+    damaged = inline.model_copy(update={"inline_body": body[:-3] + b"Z\r\n"})
+    wrong_size = stored.model_copy(update={"size": info.size + 1})
+    for entry in (damaged, wrong_size):
+        with pytest.raises(BodyCorrupt):
+            _ = [c async for c in open_entry_body(stores.bodies, entry)]
+    with pytest.raises(BodyNotFound):
+        _ = [c async for c in open_entry_body(stores.bodies, make_entry())]
 
 
 async def test_entry_not_found_and_invalid(stores: Stores) -> None:

@@ -18,8 +18,9 @@ from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import new_queue_id
 from jsqueue.store.base import WorkItem
-from jsqueue.store.jetstream import JetStreamEntryStore
+from jsqueue.store.jetstream import JetStreamBodyStore, JetStreamEntryStore
 from support.cases import case_message, case_text
+from support.frontend import split_body
 from support.mx import ScriptedMx, SmtpdMx, ipv6_loopback_available
 from support.nats import chunks_of
 from support.queue import Harness, eventually
@@ -442,19 +443,61 @@ async def test_delivered_entry_is_removed_by_the_compare_and_set_that_records_it
     outcome and deleting after. The entries stream sees exactly two writes per delivery."""
     h = queue_harness
     h.dns.add(one_mx("writes.example.test", "127.0.2.14"))
-    entries = h.stores.entries
+    entries, bodies = h.stores.entries, h.stores.bodies
     assert isinstance(entries, JetStreamEntryStore)
+    assert isinstance(bodies, JetStreamBodyStore)
 
-    async def last_seq() -> int:
-        return (await entries.js.stream_info(entries.stream)).state.last_seq
+    async def last_seq(stream: str) -> int:
+        return (await entries.js.stream_info(stream)).state.last_seq
 
     async with SmtpdMx("127.0.2.14", h.mx_port) as mx:
+        body_writes = await last_seq(bodies.stream)
         qid = await h.submit(case_message("CASE-07"), ["u@writes.example.test"])
-        created = await last_seq()
+        created = await last_seq(entries.stream)
         async with h.running():
             await eventually(lambda: gone(h, qid), what="entry removed")
         assert len(mx.delivered) == 1
-        assert await last_seq() - created == 2, "claim + delete"
+        assert await last_seq(entries.stream) - created == 2, "claim + delete"
+        # The body travelled inline with the entry: the body stream was never written.
+        assert await last_seq(bodies.stream) == body_writes
+        with pytest.raises(BodyNotFound):
+            await h.stores.bodies.info(qid)
+
+
+@pytest.mark.parametrize("inline_max", [0, 128 * 1024], ids=["body store", "inline"])
+async def test_both_body_layouts_deliver_and_return_the_same_octets(
+    queue_harness: Harness, inline_max: int
+) -> None:
+    """DESIGN.md §3: a body kept in the body store or inline in its entry is delivered
+    octet for octet, returned whole in the DSN of a recipient refused with 550 (RET=FULL,
+    RFC 3461 §4.3, RFC 3464 §2), and leaves nothing in the body store once the entry is
+    removed."""
+    h = queue_harness
+    h.settings.smtp.inline_body_max = inline_max
+    h.dns.add(one_mx("layout.example.test", "127.0.2.15"))
+    replies = {"no@layout.example.test": "550 5.1.1 no such user here"}
+    message = case_message("CASE-07")
+    async with (
+        SmtpdMx("127.0.2.15", h.mx_port, rcpt_replies=replies) as mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(
+            message,
+            ["yes@layout.example.test", "no@layout.example.test"],
+            mail_options=["RET=FULL"],
+        )
+        entry = await h.entry(qid)
+        assert entry is not None and (entry.inline_body is not None) == (inline_max > 0)
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="the DSN")
+            await eventually(lambda: gone(h, qid), what="entry removed")
+        [delivered] = mx.delivered
+        assert delivered.rcpt_to == ["yes@layout.example.test"]
+        received, rest = split_body(delivered.content)
+        assert rest == message and f"id {qid}".encode() in received
+        dsn, _ = dsn_parts(sender_mx.delivered[0].content)
+        [returned] = [p for p in dsn.walk() if p.get_content_type() == "message/rfc822"]
+        assert returned.as_bytes().replace(b"\n", b"\r\n").endswith(rest.split(b"\r\n\r\n", 1)[1])
         with pytest.raises(BodyNotFound):
             await h.stores.bodies.info(qid)
 

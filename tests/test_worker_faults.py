@@ -161,8 +161,11 @@ async def test_restart_after_the_fast_path_removal(
     its compare-and-set (jsqueue.worker, one synced write less) and dies before removing the
     body, or before the ack; NATS restarts too. The item comes back after the ack wait,
     finds the entry deleted and is settled at once: one copy at the MX, nothing left to
-    work on (a body left behind is an orphan for the reconciler, never delivered)."""
+    work on (a body left behind is an orphan for the reconciler, never delivered). The
+    body is kept in the body store here (``smtp.inline_body_max = 0``): an inline body has
+    no delete of its own."""
     h = queue_harness
+    h.settings.smtp.inline_body_max = 0
     h.dns.add(case_text("CASE-14", "dns.txt") + SENDER_ZONE)
     crashed = asyncio.Event()
     w1 = h.worker()

@@ -121,6 +121,9 @@ PLACEMENT_WAIT_S = 20.0
 RECONNECT_WAIT_S = 0.5
 #: Concurrent direct gets when scanning the KV bucket.
 SCAN_BATCH = 64
+#: Octets of a KV write's headers (message id, expected revision) left out of the value
+#: size an entry may have.
+KV_HEADER_ROOM = 1024
 #: Bodies whose chunk-set nuid a body store remembers after opening them (for delete).
 OPENED_MEMORY = 4096
 
@@ -1036,6 +1039,9 @@ def _is_marker(msg: api.RawStreamMsg) -> bool:
 class JetStreamEntryStore:
     """:class:`~jsqueue.store.base.EntryStore` on a JetStream KV bucket (key = queue id).
 
+    The value is :meth:`Entry.to_json` (an inline body after the JSON line); its size is
+    bounded by the server's maximum payload (:attr:`max_value_size`).
+
     The revision is the KV revision (stream sequence). Reads are direct gets. A delete
     writes a purge marker (``KV-Operation: PURGE``, rolled up, so the value is gone) that
     itself expires after :data:`DELETE_MARKER_TTL_S`; a deleted key reads as
@@ -1061,6 +1067,11 @@ class JetStreamEntryStore:
         self._nc = nc
         self._pre = f"$KV.{self.bucket}."
         self._timeout_s = timeout_s
+
+    @property
+    def max_value_size(self) -> int:
+        """The server's maximum payload, octets (less room for the KV headers)."""
+        return max(0, (self._nc.max_payload or 1024 * 1024) - KV_HEADER_ROOM)
 
     async def _last(self, queue_id: str, *, leader: bool = False) -> api.RawStreamMsg | None:
         with _translate(f"entry {queue_id}: read"):
@@ -1106,6 +1117,14 @@ class JetStreamEntryStore:
                 return current.seq
             raise _WrongRevision() from e
 
+    def _encode(self, entry: Entry) -> bytes:
+        data = entry.to_json()
+        if len(data) > self.max_value_size:
+            raise StoreUnavailable(
+                f"entry {entry.id}: {len(data)} octets exceed the maximum of {self.max_value_size}"
+            )
+        return data
+
     @staticmethod
     def _decode(queue_id: str, msg: api.RawStreamMsg) -> Versioned:
         assert msg.seq is not None
@@ -1117,7 +1136,7 @@ class JetStreamEntryStore:
     async def create(self, entry: Entry) -> int:
         """See :meth:`EntryStore.create`."""
         check_queue_id(entry.id)
-        data = entry.to_json()
+        data = self._encode(entry)
         try:
             return await self._write(entry.id, data, {}, last=0)
         except _WrongRevision:
@@ -1158,7 +1177,7 @@ class JetStreamEntryStore:
         if revision < 1:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
         try:
-            return await self._write(entry.id, entry.to_json(), {}, last=revision)
+            return await self._write(entry.id, self._encode(entry), {}, last=revision)
         except _WrongRevision as e:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}") from e
 

@@ -24,11 +24,15 @@ from jsqueue.errors import (
     EntryExists,
     EntryNotFound,
     RevisionConflict,
+    StoreUnavailable,
 )
 from jsqueue.names import check_domain, check_queue_id
 from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem, check_ingest_key
 
 CHUNK = 256 * 1024
+#: Largest stored entry, octets: the default maximum payload of a NATS server, so that an
+#: entry refused by JetStream is refused here too.
+MAX_VALUE_SIZE = 1024 * 1024
 
 
 class MemoryBodyStore:
@@ -95,18 +99,29 @@ class MemoryBodyStore:
 class MemoryEntryStore:
     """:class:`~jsqueue.store.base.EntryStore` in a dict, with a global revision counter."""
 
+    max_value_size: int = MAX_VALUE_SIZE
+
     def __init__(self) -> None:
         self._entries: dict[str, tuple[bytes, int]] = {}
         self._deleted: set[str] = set()
         self._seq = itertools.count(1)
+
+    def _encode(self, entry: Entry) -> bytes:
+        data = entry.to_json()
+        if len(data) > self.max_value_size:
+            raise StoreUnavailable(
+                f"entry {entry.id}: {len(data)} octets exceed the maximum of {self.max_value_size}"
+            )
+        return data
 
     async def create(self, entry: Entry) -> int:
         """See :meth:`EntryStore.create`."""
         check_queue_id(entry.id)
         if entry.id in self._entries:
             raise EntryExists(entry.id)
+        data = self._encode(entry)
         rev = next(self._seq)
-        self._entries[entry.id] = (entry.to_json(), rev)
+        self._entries[entry.id] = (data, rev)
         self._deleted.discard(entry.id)
         return rev
 
@@ -126,8 +141,9 @@ class MemoryEntryStore:
         current = self._entries.get(check_queue_id(entry.id))
         if current is None or current[1] != revision:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
+        data = self._encode(entry)
         rev = next(self._seq)
-        self._entries[entry.id] = (entry.to_json(), rev)
+        self._entries[entry.id] = (data, rev)
         return rev
 
     async def delete(self, queue_id: str, revision: int | None = None) -> None:

@@ -39,7 +39,7 @@ from jsqueue.envelope import Entry
 from jsqueue.errors import BodyNotFound, StoreUnavailable
 from jsqueue.frontend import SmtpServer, serve_smtp
 from jsqueue.store.base import BodyInfo, Stores, WorkItem
-from jsqueue.store.memory import MemoryBodyStore, open_memory
+from jsqueue.store.memory import MemoryBodyStore, MemoryEntryStore, open_memory
 
 HOST = "127.0.0.1"
 _LINE_RE = re.compile(rb"^(\d{3})([ -])([^\r\n]*)\r\n$")
@@ -249,11 +249,6 @@ async def entries_of(stores: Stores) -> list[Entry]:
     return out
 
 
-async def body_of(stores: Stores, queue_id: str) -> bytes:
-    """A whole stored body."""
-    return b"".join([chunk async for chunk in stores.bodies.open(queue_id)])
-
-
 def split_body(body: bytes) -> tuple[bytes, bytes]:
     """(our Received: field, the rest) of a stored body."""
     assert body.startswith(b"Received: from "), body[:80]
@@ -266,7 +261,15 @@ def split_body(body: bytes) -> tuple[bytes, bytes]:
 
 
 def memory_body_count(stores: Stores) -> int:
-    """How many bodies a memory body store holds (orphans included)."""
+    """How many message bodies memory stores hold: in the body store (orphans included)
+    or inline in an entry."""
+    assert isinstance(stores.entries, MemoryEntryStore)
+    inline = sum(b"\n" in data for data, _ in stores.entries._entries.values())
+    return body_store_count(stores) + inline
+
+
+def body_store_count(stores: Stores) -> int:
+    """How many bodies a memory body store holds (orphans included; no inline body)."""
     assert isinstance(stores.bodies, MemoryBodyStore)
     return len(stores.bodies._bodies)
 
@@ -494,9 +497,10 @@ async def _serve_child(settings: SmtpSettings, store: str) -> None:
     )
     await stdin_closed
     await server.stop(timeout_s=2.0)
-    bodies = stores.bodies
-    stored = len(bodies.infos) if isinstance(bodies, SinkBodyStore) else -1
-    print(f"STATS entries={len(await entries_of(stores))} bodies={stored}", flush=True)
+    bodies, entries = stores.bodies, await entries_of(stores)
+    inline = sum(e.inline_body is not None for e in entries)
+    stored = len(bodies.infos) + inline if isinstance(bodies, SinkBodyStore) else -1
+    print(f"STATS entries={len(entries)} bodies={stored}", flush=True)
 
 
 def rss_peak_kib(pid: int) -> int:

@@ -25,9 +25,10 @@ import pytest
 
 from jsqueue.config import NatsSettings
 from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
+from jsqueue.errors import EntryNotFound
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
-from jsqueue.store.base import Due, Scheduler, Stores
+from jsqueue.store.base import Due, Scheduler, Stores, open_entry_body
 from jsqueue.store.jetstream import JetStreamBodyStore, open_jetstream
 from jsqueue.store.memory import MemoryBodyStore, open_memory
 
@@ -59,8 +60,15 @@ async def chunks_of(data: bytes, size: int = 64 * 1024) -> AsyncIterator[bytes]:
 
 
 async def read_body(stores: Stores, queue_id: str) -> bytes:
-    """A whole stored body (tests only; real readers stream)."""
-    return b"".join([chunk async for chunk in stores.bodies.open(queue_id)])
+    """A whole stored message (tests only; real readers stream): its entry's inline body,
+    or else the body store's copy."""
+    try:
+        entry = (await stores.entries.get(queue_id)).entry
+    except EntryNotFound:
+        chunks = stores.bodies.open(queue_id)
+    else:
+        chunks = open_entry_body(stores.bodies, entry)
+    return b"".join([chunk async for chunk in chunks])
 
 
 async def corrupt_body(stores: Stores, queue_id: str) -> None:
