@@ -8,6 +8,9 @@ One command (``make bench`` or ``python bench/compare.py``) runs every scenario 
   the worker sends to the sink as its smarthost (``--routing static``, the default: no
   DNS, like Postfix's transport map) or resolves MX records through a DNS server on
   loopback (``--routing dns``, ``tests/support/dns.py``);
+* **jsqueue, inline bodies**: the same with ``smtp.inline_body_max = 131072`` (bodies up to
+  128 KiB kept in their KV entry instead of the object store; opt-in, see README.md), so
+  both layouts are measured in the same run (``--systems`` picks a subset);
 * **Postfix** (Debian's package) as a relay: its cleanup fsyncs each queue file before
   smtpd answers ``250`` (Postfix's default); ``transport_maps`` send each domain to its
   sink, no DNS.
@@ -87,6 +90,13 @@ from support.postfix import (  # noqa: E402
 
 RESULTS = HERE / "results"
 SENDER = "bench@src.example.test"
+#: The jsqueue configurations measured: name → label in the table.
+VARIANTS = {"jsqueue": "jsqueue", "jsqueue-inline": "jsqueue, inline bodies"}
+#: The settings that make each configuration (environment variables).
+VARIANT_ENV: dict[str, dict[str, str]] = {
+    "jsqueue": {},
+    "jsqueue-inline": {"JSQUEUE_SMTP__INLINE_BODY_MAX": str(128 * 1024)},
+}
 SINK_ADDRESSES = {
     "bench1.example.test": "127.0.3.1",
     "bench2.example.test": "127.0.3.2",
@@ -290,7 +300,9 @@ class JsqueueSystem(System):
         env: dict[str, str],
         smarthost: str | None = None,
         workers: int = 1,
+        name: str = "jsqueue",
     ) -> None:
+        self.name = name
         self.workdir = workdir
         routing = (
             {"JSQUEUE_WORKER__SMARTHOST": json.dumps({"host": smarthost, "port": mx_port})}
@@ -795,6 +807,7 @@ def report(
     load_before: str,
 ) -> str:
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    variants = [v for v in VARIANTS if any(r.system == v for r in results)]
     groups: dict[tuple[str, str], list[Result]] = {}
     for r in results:
         groups.setdefault((r.system, r.scenario), []).append(r)
@@ -817,36 +830,35 @@ def report(
         f"`smtp-sink`. Routing: {route}. jsqueue runs as `jsqueue nats`, `jsqueue smtp` and "
         "`jsqueue worker` with default settings otherwise (events, metrics endpoint and "
         "reconciler on). Rates in messages per second, medians of "
-        f"{runs} run(s) each, jsqueue and Postfix alternating. CPU is every process of the "
+        f"{runs} run(s) each, the systems alternating. CPU is every process of the "
         "system (jsqueue: nats-server + front end + worker; Postfix: master and all its "
         "children), load generator and sink not included.",
         "",
-        "| scenario | metric | jsqueue | Postfix | jsqueue / Postfix |",
-        "|---|---|---:|---:|---:|",
+        "| scenario | metric | "
+        + " | ".join(VARIANTS[v] for v in variants)
+        + " | Postfix | "
+        + " | ".join(f"{VARIANTS[v]} / Postfix" for v in variants)
+        + " |",
+        "|---|---|" + "---:|" * (2 * len(variants) + 1),
     ]
     for sc in scenarios:
-        j, p = by.get(("jsqueue", sc.key)), by.get(("Postfix", sc.key))
+        js = [by.get((v, sc.key)) for v in variants]
+        p = by.get(("Postfix", sc.key))
         if sc.key == "latency":
             for label, q in (("p50", 50), ("p99", 99)):
-                jv = _percentile(j.latency_ms, q) if j else None
+                jv = [_percentile(j.latency_ms, q) if j else None for j in js]
                 pv = _percentile(p.latency_ms, q) if p else None
                 lines.append(_row(sc.title, f"250 → delivered {label}, ms", jv, pv, 1))
             continue
-        flag = "" if (not j or j.complete) and (not p or p.complete) else " (INCOMPLETE)"
-        lines.append(
-            _row(sc.title + flag, "ingest, msg/s", j and j.ingest_rate, p and p.ingest_rate)
-        )
-        lines.append(
-            _row(
-                sc.title,
-                "delivered end to end, msg/s",
-                j and j.delivered_rate,
-                p and p.delivered_rate,
-            )
-        )
-        lines.append(
-            _row(sc.title, "CPU ms per message", j and j.cpu_ms_per_msg, p and p.cpu_ms_per_msg, 2)
-        )
+        done = all(x.complete for x in (*js, p) if x is not None)
+        flag = "" if done else " (INCOMPLETE)"
+        for title, metric, attr, digits in (
+            (sc.title + flag, "ingest, msg/s", "ingest_rate", 0),
+            (sc.title, "delivered end to end, msg/s", "delivered_rate", 0),
+            (sc.title, "CPU ms per message", "cpu_ms_per_msg", 2),
+        ):
+            values = [getattr(j, attr) if j else None for j in js]
+            lines.append(_row(title, metric, values, getattr(p, attr) if p else None, digits))
     lines += [
         "",
         "jsqueue processes: peak RSS (MiB) and CPU seconds per run (median):",
@@ -856,13 +868,16 @@ def report(
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for sc in scenarios:
-        j = by.get(("jsqueue", sc.key))
-        if j:
+        for v in variants:
+            j = by.get((v, sc.key))
+            if not j:
+                continue
             rss = j.peak_rss_kib
             cpu = j.cpu_by_process
             nats = cpu.get("other", 0.0)
+            title = sc.title if v == "jsqueue" else f"{sc.title} ({VARIANTS[v]})"
             lines.append(
-                f"| {sc.title} | {rss.get('jsqueue smtp', 0) / 1024:.0f} | "
+                f"| {title} | {rss.get('jsqueue smtp', 0) / 1024:.0f} | "
                 f"{rss.get('jsqueue worker', 0) / 1024:.0f} | "
                 f"{rss.get('nats-server', 0) / 1024:.0f} | {cpu.get('smtp', 0):.1f} | "
                 f"{cpu.get('worker', 0):.1f} | {nats:.1f} |"
@@ -892,11 +907,12 @@ def _percentile(values: list[float], q: int) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _row(title: str, metric: str, j: float | None, p: float | None, digits: int = 0) -> str:
-    js = _fmt(j, digits) if j is not None else "—"
-    ps = _fmt(p, digits) if p is not None else "—"
-    ratio = f"{j / p:.2f}" if j is not None and p else "—"
-    return f"| {title} | {metric} | {js} | {ps} | {ratio} |"
+def _row(title: str, metric: str, js: list[float | None], p: float | None, digits: int = 0) -> str:
+    """One table row: each jsqueue variant's value, Postfix's, then each ratio."""
+    cells = [_fmt(j, digits) if j is not None else "—" for j in js]
+    cells.append(_fmt(p, digits) if p is not None else "—")
+    cells += [f"{j / p:.2f}" if j is not None and p else "—" for j in js]
+    return f"| {title} | {metric} | " + " | ".join(cells) + " |"
 
 
 # --------------------------------------------------------------------------- main
@@ -933,7 +949,11 @@ def main() -> None:
         default="small,multi,big,latency",
         help="comma-separated subset of small,multi,big,latency",
     )
-    parser.add_argument("--systems", default="jsqueue,postfix")
+    parser.add_argument(
+        "--systems",
+        default="jsqueue,jsqueue-inline,postfix",
+        help="comma-separated subset of " + ",".join([*VARIANTS, "postfix"]),
+    )
     parser.add_argument(
         "--routing",
         choices=["static", "dns"],
@@ -1015,10 +1035,16 @@ def main() -> None:
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
     def make_system(name: str, sc: Scenario, rep: int) -> System:
-        if name == "jsqueue":
+        if name in VARIANTS:
             smarthost = SINK_ADDRESSES[sc.domains[0]] if args.routing == "static" else None
             return JsqueueSystem(
-                workdir / f"jsq-{sc.key}-{rep}", dns, sink_port, extra_env, smarthost, args.workers
+                workdir / f"{name}-{sc.key}-{rep}",
+                dns,
+                sink_port,
+                {**VARIANT_ENV[name], **extra_env},
+                smarthost,
+                args.workers,
+                name=name,
             )
         return PostfixSystem(workdir / f"pf-{sc.key}-{rep}", routes)
 
@@ -1045,7 +1071,8 @@ def main() -> None:
                             ),
                             flush=True,
                         )
-            if args.deferred and "jsqueue" in systems:
+            jsqueues = [v for v in VARIANTS if v in systems]
+            if args.deferred and jsqueues:
                 small = Scenario(
                     "small",
                     "4 KB, 1 rcpt",
@@ -1055,8 +1082,9 @@ def main() -> None:
                     args.sessions,
                 )
                 smarthost = SINK_ADDRESSES[small.domains[0]] if args.routing == "static" else None
+                env = {**VARIANT_ENV[jsqueues[0]], **extra_env}
                 deferred = run_deferred(
-                    JsqueueSystem(workdir / "jsq-deferred", dns, sink_port, extra_env, smarthost),
+                    JsqueueSystem(workdir / "jsq-deferred", dns, sink_port, env, smarthost),
                     args.deferred,
                     small,
                     sinks,

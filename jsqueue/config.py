@@ -129,11 +129,11 @@ class SmtpSettings(_Section):
     dedupe_window_s: float = Field(120.0, ge=0, description="idempotent-ingest window, seconds")
     store_timeout_s: float = Field(30.0, gt=0, description="max time to store before 451")
     inline_body_max: int = Field(
-        128 * 1024,
+        0,
         ge=0,
         le=256 * 1024,
-        description="messages up to this size, octets, are kept in their entry, not the "
-        "body store (0: never)",
+        description="messages up to this size, octets, are kept in their KV entry instead "
+        "of the object store (0: never)",
     )
 
 

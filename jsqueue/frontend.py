@@ -6,9 +6,10 @@ caller's event loop) whose DATA handler:
 1. streams the message, with a ``Received:`` trace header prepended (RFC 5321 §4.4), into
    the body store in chunks while it is still arriving (the upload starts once a chunk is
    full, so a small or rejected message never touches the store before the terminator);
-   a message of at most ``smtp.inline_body_max`` octets never goes to the body store: it is
-   kept inline in its entry (:attr:`Entry.inline_body`, DESIGN.md §3), which saves the
-   body's two synced writes and a round trip before the 250, and its purge after delivery;
+   with ``smtp.inline_body_max`` set (0, off, by default), a message of at most that many
+   octets never goes to the body store: it is kept inline in its entry
+   (:attr:`Entry.inline_body`), which saves the body's two synced writes and a round trip
+   before the 250, and its purge after delivery;
 2. once the body is stored, creates the queue entry (reverse-path, recipients with
    ORCPT/NOTIFY, HELO name, client address, size, digest, ENVID, RET, SMTPUTF8, 8-bit flag,
    arrival time, inline body) and, at the same time, schedules one work item per distinct

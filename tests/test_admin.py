@@ -181,11 +181,16 @@ async def test_delete_while_deferred_means_no_delivery(queue_harness: Harness) -
         assert events.kinds() == [EventKind.DELETED]
 
 
-async def test_delete_while_delivering_aborts_before_data(queue_harness: Harness) -> None:
+@pytest.mark.parametrize("inline_max", [0, 128 * 1024], ids=["body store", "inline"])
+async def test_delete_while_delivering_aborts_before_data(
+    queue_harness: Harness, inline_max: int
+) -> None:
     """Delete while the worker waits for the RCPT reply: the body is gone before DATA, so
     the transaction is abandoned (RFC 5321 §4.1.1.4: no final dot, nothing delivered) and the
-    worker records nothing and retries nothing."""
+    worker records nothing and retries nothing. An inline body is in the worker's hands
+    already: the worker reads the entry again before DATA, with the same effect."""
     h = queue_harness
+    h.settings.smtp.inline_body_max = inline_max
     h.dns.add(DEST_ZONE)
     admin = Admin(h.stores)
     async with GatedMx("127.0.2.20", h.mx_port) as mx:

@@ -87,8 +87,8 @@ def test_json_round_trip_is_lossless() -> None:
     [b"", b"Subject: x\r\n\r\nline\r\n", b'\n\n{"id": 1}\n', bytes(range(256)) * 40],
 )
 def test_inline_body_travels_after_the_json_line(body: bytes) -> None:
-    """DESIGN.md §3: an inline body follows the entry's JSON line unchanged (LF, NUL and
-    8-bit octets included); it is neither in the JSON nor in the repr."""
+    """An inline body (``smtp.inline_body_max``) follows the entry's JSON line unchanged
+    (LF, NUL and 8-bit octets included); it is neither in the JSON nor in the repr."""
     entry = entry_with(RecipientState.PENDING).model_copy(update={"inline_body": body})
     data = entry.to_json()
     line, sep, rest = data.partition(b"\n")

@@ -40,6 +40,8 @@ from support.frontend import (
 )
 from support.nats import read_body
 
+#: ``smtp.inline_body_max`` of the tests that keep bodies inline (opt-in).
+INLINE_MAX = 128 * 1024
 MESSAGE = (
     b"From: Alice <alice@example.test>\r\nTo: Bob <bob@dest.example.test>\r\n"
     b"Subject: hi\r\n\r\nHello.\r\n"
@@ -444,9 +446,9 @@ async def test_large_message_streams_intact(mem: Stores) -> None:
 
 
 async def test_small_message_is_kept_inline_in_its_entry(mem: Stores) -> None:
-    """DESIGN.md §3: a message up to ``smtp.inline_body_max`` octets is stored in its entry
-    (the body store is not written) with the size and digest of what was received."""
-    async with running(frontend_settings(), mem) as server:
+    """A message up to ``smtp.inline_body_max`` octets (opt-in) is stored in its entry (the
+    body store is not written) with the size and digest of what was received."""
+    async with running(frontend_settings(inline_body_max=INLINE_MAX), mem) as server:
         w = await Wire.connect(server.port)
         qid = queued_id(
             await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE))
@@ -461,14 +463,16 @@ async def test_small_message_is_kept_inline_in_its_entry(mem: Stores) -> None:
     assert body_store_count(mem) == 0
 
 
-@pytest.mark.parametrize("inline_max", [0, 1024])
+@pytest.mark.parametrize("inline_max", [None, 0, 1024])
 async def test_message_over_the_inline_limit_goes_to_the_body_store(
-    mem: Stores, inline_max: int
+    mem: Stores, inline_max: int | None
 ) -> None:
-    """A message larger than ``smtp.inline_body_max`` (0: every message) is stored in the
-    body store and its entry carries no inline body."""
+    """DESIGN.md §1/§3: bodies go to the object store (the default); with
+    ``smtp.inline_body_max`` set, a larger message still does, and its entry carries no
+    inline body."""
     message = b"Subject: over\r\n\r\n" + (b"y" * 70 + b"\r\n") * 20
-    async with running(frontend_settings(inline_body_max=inline_max), mem) as server:
+    settings = frontend_settings(**({} if inline_max is None else {"inline_body_max": inline_max}))
+    async with running(settings, mem) as server:
         w = await Wire.connect(server.port)
         qid = queued_id(
             await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(message))
@@ -486,7 +490,7 @@ async def test_entry_too_large_for_an_inline_body_keeps_it_in_the_body_store(
     assert isinstance(mem.entries, MemoryEntryStore)
     mem.entries.max_value_size = 32 * 1024
     rcpts = [f"user{i:03d}@dest.example.test" for i in range(100)]
-    async with running(frontend_settings(), mem) as server:
+    async with running(frontend_settings(inline_body_max=INLINE_MAX), mem) as server:
         w = await Wire.connect(server.port)
         big = queued_id(await w.transaction("a@example.test", rcpts, dot_stuff(MESSAGE)))
         small = queued_id(
@@ -658,14 +662,17 @@ async def test_case25_long_lines_at_ingress(mem: Stores) -> None:
 # ------------------------------------------------------------------------ store failures
 
 
-@pytest.mark.parametrize("step", ["put", "create", "schedule"])
-async def test_store_failure_answers_451_and_cleans_up(step: str) -> None:
+@pytest.mark.parametrize(
+    ("step", "inline_max"),
+    [("put", 0), ("create", 0), ("schedule", 0), ("create", INLINE_MAX), ("schedule", INLINE_MAX)],
+)
+async def test_store_failure_answers_451_and_cleans_up(step: str, inline_max: int) -> None:
     """DESIGN.md §2.1: a failed store step → 451 4.3.0, never 250; what was stored is deleted;
-    the same session can send again once the store is back. (A put happens only for a body
-    that is not kept inline: ``inline_body_max=0`` for that step.)"""
+    the same session can send again once the store is back. Both body layouts (an inline
+    body has no put of its own)."""
     faulty = FaultyStores()
     faulty.fault(step).fail = True
-    settings = frontend_settings(inline_body_max=0 if step == "put" else 128 * 1024)
+    settings = frontend_settings(inline_body_max=inline_max)
     async with running(settings, faulty.stores) as server:
         w = await Wire.connect(server.port)
         r = await w.transaction(

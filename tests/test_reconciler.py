@@ -131,7 +131,7 @@ def test_review_entry_without_body() -> None:
     assert [a.kind for a in decide(tried, has_body=False)] == [ActionKind.REPORT]
     young = entry(age=timedelta(minutes=5))
     assert decide(young, has_body=False) == []  # younger than orphan_after_s
-    # An inline body (DESIGN.md §3) is a stored body: nothing in the body store is expected.
+    # An inline body (smtp.inline_body_max) is a stored body: nothing in the body store is expected.
     inline = old.model_copy(update={"inline_body": b"Subject: x\r\n\r\n"})
     assert [a.kind for a in decide(inline, has_body=False)] == [ActionKind.REQUEUE]
 

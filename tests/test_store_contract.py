@@ -247,7 +247,7 @@ async def test_entry_create_get_update(stores: Stores) -> None:
 
 
 async def test_entry_with_an_inline_body(stores: Stores) -> None:
-    """DESIGN.md §3: an inline body is stored, read, updated and listed with its entry,
+    """An inline body (``smtp.inline_body_max``) is stored, read, updated and listed with its entry,
     octet for octet; an entry larger than ``max_value_size`` is refused, nothing stored."""
     body = b"Subject: inline\r\n\r\n" + bytes(range(256)) * 16 + b"\r\n"
     entry = make_entry().model_copy(update={"inline_body": body, "size": len(body)})
