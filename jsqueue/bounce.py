@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from datetime import datetime
 
 from jsqueue import dsn
@@ -24,7 +23,7 @@ from jsqueue.envelope import Entry, Recipient, RecipientState
 from jsqueue.errors import EntryExists
 from jsqueue.names import derived_queue_id
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Stores, WorkItem, open_entry_body
+from jsqueue.store.base import Stores, WorkItem, one_chunk, open_entry_body
 
 log = logging.getLogger("jsqueue.bounce")
 
@@ -139,7 +138,7 @@ class DsnNotifier:
             will_retry_until=self.policy.deadline(entry.created_at),
             message_id=f"<{dsn_id}@{self.settings.reporting_mta}>",
         )
-        info = await self.stores.bodies.put(dsn_id, _once(message))
+        info = await self.stores.bodies.put(dsn_id, one_chunk(message))
         recipient = Recipient.from_address(to)
         dsn_entry = Entry(
             id=dsn_id,
@@ -190,7 +189,3 @@ def _double_bounced(entry: Entry) -> list[Recipient]:
         for r in entry.recipients
         if r.state in (RecipientState.FAILED, RecipientState.BOUNCED) and not r.dsn_sent
     ]
-
-
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data

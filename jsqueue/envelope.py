@@ -174,9 +174,11 @@ class Entry(BaseModel):
     ``inline_body`` is the raw message (RFC 5322, CRLF line ends) when the front end kept
     a small body with its entry instead of in the object store (``smtp.inline_body_max``,
     off by default; DESIGN.md §1 puts bodies in the object store): one synced write instead
-    of three at ingest, and nothing to purge after delivery. None means the body is in the
-    body store under the entry's id. It is never part of the JSON (nor of
-    admin output or events); :meth:`to_json` appends it after the JSON line.
+    of three at ingest, and nothing to purge after delivery. A worker moves it to the body
+    store when the message is deferred (:mod:`jsqueue.worker`), so queued mail keeps
+    metadata only. None means the body is in the body store under the entry's id. It is
+    never part of the JSON (nor of admin output or events); :meth:`to_json` appends it
+    after the JSON line.
     """
 
     id: str

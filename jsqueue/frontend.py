@@ -129,7 +129,7 @@ from jsqueue.replies import (
     R554_RELAY_DENIED,
     R555_UNKNOWN_PARAMETER,
 )
-from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores, WorkItem
+from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores, WorkItem, one_chunk
 
 log = logging.getLogger(__name__)
 
@@ -295,10 +295,6 @@ def received_header(
     return ("\r\n".join(lines) + "\r\n").encode("utf-8", "surrogateescape")
 
 
-async def _one_chunk(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 async def _stopped(fut: asyncio.Future[Any] | None) -> None:
     """Cancel ``fut`` unless done and wait until it has stopped; its outcome is not needed
     (a failure is reported by whoever noticed first)."""
@@ -380,7 +376,7 @@ class _BodyUpload:
                 self.inline = data
                 return BodyInfo(size=len(data), digest=hashlib.sha256(data).hexdigest())
             self._touched = True
-            return await self._bodies.put(self._id, _one_chunk(data), fresh=True)
+            return await self._bodies.put(self._id, one_chunk(data), fresh=True)
         for item in (bytes(self._buf), None):
             if item != b"":
                 await self._hand(item)
@@ -399,7 +395,7 @@ class _BodyUpload:
         assert self.inline is not None
         data, self.inline = self.inline, None
         self._touched = True
-        return await self._bodies.put(self._id, _one_chunk(data), fresh=True)
+        return await self._bodies.put(self._id, one_chunk(data), fresh=True)
 
     async def abort(self) -> None:
         """Stop the upload and delete whatever reached the store (best effort, logged)."""

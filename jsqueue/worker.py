@@ -34,7 +34,7 @@ from jsqueue.errors import (
 )
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Due, Stores, Versioned, open_entry_body
+from jsqueue.store.base import Due, Stores, Versioned, one_chunk, open_entry_body
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -300,11 +300,36 @@ class Worker:
                 await self.stores.bodies.delete(v.entry.id)
             log.info("queue %s: done, removed", v.entry.id)
         else:
+            if v.entry.inline_body is not None and recorded.retry_delay_s is not None:
+                v = await self._move_body_out(v)
             await self._finish(v)
         if recorded.retry_delay_s is None:
             await due.ack()
         else:
             await due.retry(recorded.retry_delay_s)
+
+    async def _move_body_out(self, v: Versioned) -> Versioned:
+        """A destination of an entry with an inline body was deferred: the body moves to
+        the body store, so that queued mail keeps metadata only in its entry and later
+        writes do not carry the body. Done after the outcomes are recorded (the recording
+        is not delayed) and best effort: if the move fails, the entry keeps its inline body
+        (a body stored meanwhile is an orphan, removed by the reconciler once the entry is
+        gone).
+
+        Returns:
+            the entry as now stored (unchanged when the move failed).
+        """
+        entry = v.entry
+        assert entry.inline_body is not None
+        moved = entry.model_copy(update={"inline_body": None})
+        try:
+            await self.stores.bodies.put(entry.id, one_chunk(entry.inline_body))
+            v = Versioned(moved, await self.stores.entries.update(moved, v.revision))
+        except (RevisionConflict, StoreUnavailable) as e:
+            log.info("queue %s: inline body kept (moving it out failed: %s)", entry.id, e)
+            return v
+        log.debug("queue %s: deferred, body moved to the body store", entry.id)
+        return v
 
     def _body(self, entry: Entry) -> AsyncIterator[bytes]:
         """The body to send at DATA. A stored body deleted meanwhile (admin delete) raises

@@ -296,6 +296,44 @@ async def test_greylisting_case17(queue_harness: Harness, variant: str) -> None:
         assert [t.reply[:3] for t in mx.transactions] == ["451", "250"]
 
 
+async def test_a_deferred_inline_body_moves_to_the_body_store(queue_harness: Harness) -> None:
+    """``smtp.inline_body_max``: when a destination is deferred (RFC 5321 §4.2.1, 4yz) the
+    inline body moves to the body store, so queued mail keeps metadata only in its entry;
+    the other destination, delivered at once, and the later attempt get the same octets,
+    and the body is removed at the end."""
+    h = queue_harness
+    h.settings.smtp.inline_body_max = INLINE_MAX
+    h.configure(retry={"base_s": 2.0})
+    h.dns.add(
+        one_mx("moves.example.test", "127.0.2.16") + one_mx("at-once.example.test", "127.0.2.17")
+    )
+    busy = {"u@moves.example.test": "450 4.2.1 mailbox busy, try later"}
+    message = case_message("CASE-17")
+    async with (
+        SmtpdMx("127.0.2.16", h.mx_port, rcpt_replies=busy) as later_mx,
+        SmtpdMx("127.0.2.17", h.mx_port) as at_once_mx,
+    ):
+        qid = await h.submit(message, ["u@moves.example.test", "v@at-once.example.test"])
+        submitted = await h.entry(qid)
+        assert submitted is not None and submitted.inline_body is not None
+        async with h.running():
+
+            async def moved() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.recipients[0].attempts == 1 and e.inline_body is None
+
+            await eventually(moved, what="deferred, body moved out of the entry")
+            info = await h.stores.bodies.info(qid)
+            assert (info.size, info.digest) == (submitted.size, submitted.digest)
+            later_mx.rcpt_replies.clear()
+            await eventually(lambda: gone(h, qid), what="delivered later")
+    for mx in (later_mx, at_once_mx):
+        [delivered] = mx.delivered
+        assert split_body(delivered.content)[1] == message
+    with pytest.raises(BodyNotFound):
+        await h.stores.bodies.info(qid)
+
+
 async def test_multiline_replies_case19(queue_harness: Harness) -> None:
     """CASE-19: a 3-line greeting and a mixed-case EHLO reply ending in a bare "250" are
     understood (SIZE=35882577 recognised: MAIL carries SIZE=); ok@ is delivered once;

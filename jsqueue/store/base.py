@@ -341,6 +341,11 @@ class Stores:
     ingest: IngestLog | None = None
 
 
+async def one_chunk(data: bytes) -> AsyncGenerator[bytes, None]:
+    """``data`` as a stream of one chunk (for :meth:`BodyStore.put` of a body in memory)."""
+    yield data
+
+
 def open_entry_body(bodies: BodyStore, entry: Entry) -> AsyncGenerator[bytes, None]:
     """Stream an entry's message: its inline body, or else the body store's copy.
 
