@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState
-from jsqueue.errors import BodyCorrupt, InvalidName
+from jsqueue.errors import BodyCorrupt, InvalidName, StoreUnavailable
 
 
 @dataclass(frozen=True)
@@ -339,6 +339,21 @@ class Stores:
     scheduler: Scheduler
     close: Callable[[], Awaitable[None]]
     ingest: IngestLog | None = None
+
+
+def encode_entry(entry: Entry, max_size: int) -> bytes:
+    """An entry's stored form (:meth:`Entry.to_json`), for an entry store whose values may
+    hold at most ``max_size`` octets.
+
+    Raises:
+        StoreUnavailable: the stored form is larger than ``max_size`` (nothing is written).
+    """
+    data = entry.to_json()
+    if len(data) > max_size:
+        raise StoreUnavailable(
+            f"entry {entry.id}: {len(data)} octets exceed the maximum of {max_size}"
+        )
+    return data
 
 
 async def one_chunk(data: bytes) -> AsyncGenerator[bytes, None]:

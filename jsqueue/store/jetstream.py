@@ -86,7 +86,15 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.names import Names, check_domain, check_queue_id
-from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem, check_ingest_key
+from jsqueue.store.base import (
+    BodyInfo,
+    Due,
+    Stores,
+    Versioned,
+    WorkItem,
+    check_ingest_key,
+    encode_entry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -1117,14 +1125,6 @@ class JetStreamEntryStore:
                 return current.seq
             raise _WrongRevision() from e
 
-    def _encode(self, entry: Entry) -> bytes:
-        data = entry.to_json()
-        if len(data) > self.max_value_size:
-            raise StoreUnavailable(
-                f"entry {entry.id}: {len(data)} octets exceed the maximum of {self.max_value_size}"
-            )
-        return data
-
     @staticmethod
     def _decode(queue_id: str, msg: api.RawStreamMsg) -> Versioned:
         assert msg.seq is not None
@@ -1136,7 +1136,7 @@ class JetStreamEntryStore:
     async def create(self, entry: Entry) -> int:
         """See :meth:`EntryStore.create`."""
         check_queue_id(entry.id)
-        data = self._encode(entry)
+        data = encode_entry(entry, self.max_value_size)
         try:
             return await self._write(entry.id, data, {}, last=0)
         except _WrongRevision:
@@ -1177,7 +1177,9 @@ class JetStreamEntryStore:
         if revision < 1:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
         try:
-            return await self._write(entry.id, self._encode(entry), {}, last=revision)
+            return await self._write(
+                entry.id, encode_entry(entry, self.max_value_size), {}, last=revision
+            )
         except _WrongRevision as e:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}") from e
 

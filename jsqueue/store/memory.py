@@ -24,10 +24,17 @@ from jsqueue.errors import (
     EntryExists,
     EntryNotFound,
     RevisionConflict,
-    StoreUnavailable,
 )
 from jsqueue.names import check_domain, check_queue_id
-from jsqueue.store.base import BodyInfo, Due, Stores, Versioned, WorkItem, check_ingest_key
+from jsqueue.store.base import (
+    BodyInfo,
+    Due,
+    Stores,
+    Versioned,
+    WorkItem,
+    check_ingest_key,
+    encode_entry,
+)
 
 CHUNK = 256 * 1024
 #: Largest stored entry, octets: the default maximum payload of a NATS server, so that an
@@ -106,20 +113,12 @@ class MemoryEntryStore:
         self._deleted: set[str] = set()
         self._seq = itertools.count(1)
 
-    def _encode(self, entry: Entry) -> bytes:
-        data = entry.to_json()
-        if len(data) > self.max_value_size:
-            raise StoreUnavailable(
-                f"entry {entry.id}: {len(data)} octets exceed the maximum of {self.max_value_size}"
-            )
-        return data
-
     async def create(self, entry: Entry) -> int:
         """See :meth:`EntryStore.create`."""
         check_queue_id(entry.id)
         if entry.id in self._entries:
             raise EntryExists(entry.id)
-        data = self._encode(entry)
+        data = encode_entry(entry, self.max_value_size)
         rev = next(self._seq)
         self._entries[entry.id] = (data, rev)
         self._deleted.discard(entry.id)
@@ -141,7 +140,7 @@ class MemoryEntryStore:
         current = self._entries.get(check_queue_id(entry.id))
         if current is None or current[1] != revision:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
-        data = self._encode(entry)
+        data = encode_entry(entry, self.max_value_size)
         rev = next(self._seq)
         self._entries[entry.id] = (data, rev)
         return rev
