@@ -42,6 +42,13 @@ BodySource = Callable[[], AsyncIterator[bytes]]
 """Re-openable body: each call streams the raw message (CRLF line ends) from the start."""
 
 CAS_TRIES = 5
+#: Compare-and-set tries to record one attempt's outcomes. Each conflict means another
+#: writer got through (another destination's outcome or claim, an admin action), so the
+#: tries are many, with a short random pause that grows: giving up would lose the record
+#: of what was sent, and the next attempt would send it again.
+RECORD_TRIES = 50
+#: Longest pause between two recording tries, seconds.
+RECORD_PAUSE_MAX_S = 0.1
 
 
 class Deliverer(Protocol):
@@ -267,8 +274,12 @@ class Worker:
         # the compare-and-set, and only then is the entry read again.
         v: Versioned | None = claimed
         removed = False
-        for attempt in range(CAS_TRIES):
+        for attempt in range(RECORD_TRIES):
             if attempt:
+                if attempt > 1:
+                    await asyncio.sleep(
+                        self.rng.uniform(0, min(RECORD_PAUSE_MAX_S, 0.005 * attempt))
+                    )
                 v = await self._get(item.queue_id)
             if v is None:
                 log.info("queue %s: deleted during delivery", item.queue_id)

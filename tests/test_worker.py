@@ -508,6 +508,42 @@ async def test_delivered_entry_is_removed_by_the_compare_and_set_that_records_it
             await h.stores.bodies.info(qid)
 
 
+async def test_outcomes_are_recorded_through_many_concurrent_writers(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2.3: the compare-and-set that records a delivery's outcome loses to 12
+    other writes in a row (as when many destinations of one message finish at once) and
+    still gets through: the recipient is recorded, one copy is sent, nothing is retried."""
+    h = queue_harness
+    h.dns.add(one_mx("busy-entry.example.test", "127.0.2.18"))
+    entries = h.stores.entries
+    update, delete = entries.update, entries.delete
+    competing = 0
+
+    async def another_writer(queue_id: str) -> None:
+        nonlocal competing
+        competing += 1
+        current = await entries.get(queue_id)
+        bumped = current.entry.model_copy(update={"last_error": f"other writer {competing}"})
+        await update(bumped, current.revision)
+
+    async def contended_delete(queue_id: str, revision: int | None = None) -> None:
+        # A delivered entry that owes nothing is recorded by its removal (compare-and-set).
+        if revision is not None and competing < 12:
+            await another_writer(queue_id)
+        await delete(queue_id, revision)
+
+    monkeypatch.setattr(entries, "delete", contended_delete)
+    async with SmtpdMx("127.0.2.18", h.mx_port) as mx:
+        qid = await h.submit(case_message("CASE-07"), ["u@busy-entry.example.test"])
+        async with h.running() as (worker,):
+            await eventually(lambda: gone(h, qid), what="recorded and removed")
+            await eventually(lambda: worker.handled == 1, what="the item settled")
+        assert competing == 12
+        assert len(mx.delivered) == 1
+        assert await h.stores.scheduler.backlog() == 0
+
+
 @pytest.mark.parametrize("inline_max", [0, INLINE_MAX], ids=["body store", "inline"])
 async def test_both_body_layouts_deliver_and_return_the_same_octets(
     queue_harness: Harness, inline_max: int
