@@ -171,6 +171,7 @@ class EntryDetail(EntrySummary):
     body_8bit: bool = False
     leases: dict[str, Lease] = Field(default_factory=dict)
     last_error: str | None = None
+    body_inline: bool = False
 
     @classmethod
     def of_versioned(cls, v: Versioned) -> EntryDetail:
@@ -189,6 +190,7 @@ class EntryDetail(EntrySummary):
             body_8bit=e.body_8bit,
             leases=e.leases,
             last_error=e.last_error,
+            body_inline=e.inline_body is not None,
         )
 
 
@@ -913,7 +915,8 @@ def render_detail(d: EntryDetail) -> list[str]:
         f"state:        {d.state.value}{' (held)' if d.held else ''}",
         f"arrival:      {_ts(d.created_at)} UTC",
         f"sender:       <{d.reverse_path}>",
-        f"size:         {d.size} octets, sha256 {d.digest or '-'}",
+        f"size:         {d.size} octets, sha256 {d.digest or '-'}, "
+        + ("inline in the entry" if d.body_inline else "in the object store"),
         f"client:       {d.client_address or '-'} (helo {d.helo or '-'})",
         f"envid/ret:    {d.envid or '-'} / {d.ret or '-'}",
         f"smtputf8:     {d.smtputf8}, 8bit body: {d.body_8bit}, dsn: {d.is_dsn}",

@@ -24,6 +24,7 @@ from jsqueue.admin import (
     held,
     parse_duration,
     released,
+    render_detail,
 )
 from jsqueue.envelope import Entry, EntryState, Lease, Recipient, RecipientState, Reply, utcnow
 from jsqueue.errors import BodyNotFound, EntryNotFound, InvalidName
@@ -341,13 +342,19 @@ async def test_stats_counts_states_domains_and_oldest(js_stores: Stores) -> None
     assert stats.backlog == 1
 
 
-async def test_show_and_body(queue_harness: Harness) -> None:
-    """``queue show``: the stored entry with its envelope; ``--body`` streams the message as
-    stored (with our Received: trace field prepended, RFC 5321 §4.4)."""
+@pytest.mark.parametrize("inline_max", [0, 128 * 1024], ids=["body store", "inline"])
+async def test_show_and_body(queue_harness: Harness, inline_max: int) -> None:
+    """``queue show``: the stored entry with its envelope and where its body is;
+    ``--body`` streams the message as stored (with our Received: trace field prepended,
+    RFC 5321 §4.4) from either layout."""
     h = queue_harness
+    h.settings.smtp.inline_body_max = inline_max
     admin = Admin(h.stores)
     qid = await h.submit(MESSAGE, [RCPT])
     detail = await admin.show(qid)
+    assert detail.body_inline is (inline_max > 0)
+    where = "inline in the entry" if inline_max else "in the object store"
+    assert any(line.endswith(where) for line in render_detail(detail))
     assert detail.id == qid and detail.reverse_path == "alice@example.test"
     assert detail.recipients[0].address == RCPT
     assert detail.recipients[0].state is RecipientState.PENDING
