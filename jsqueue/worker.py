@@ -242,12 +242,14 @@ class Worker:
             try:
                 if expired is not None:
                     before = v.entry
+                    expired = await self._fitting(expired)
                     v = Versioned(expired, await self.stores.entries.update(expired, v.revision))
                     self._log_expired(before, v.entry, item.domain)
                     await self._finish(v)
                     await due.ack()
                     return
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
+                claimed = await self._fitting(claimed)
                 rev = await self.stores.entries.update(claimed, v.revision)
             except RevisionConflict:
                 continue
@@ -276,10 +278,7 @@ class Worker:
         removed = False
         for attempt in range(RECORD_TRIES):
             if attempt:
-                if attempt > 1:
-                    await asyncio.sleep(
-                        self.rng.uniform(0, min(RECORD_PAUSE_MAX_S, 0.005 * attempt))
-                    )
+                await asyncio.sleep(self._pause(attempt))
                 v = await self._get(item.queue_id)
             if v is None:
                 log.info("queue %s: deleted during delivery", item.queue_id)
@@ -299,6 +298,7 @@ class Worker:
                     await self.stores.entries.delete(new.id, revision=v.revision)
                     v, removed = Versioned(new, v.revision), True
                 else:
+                    new = await self._fitting(new)
                     v = Versioned(new, await self.stores.entries.update(new, v.revision))
                 break
             except RevisionConflict:
@@ -319,28 +319,61 @@ class Worker:
         else:
             await due.retry(recorded.retry_delay_s)
 
+    async def _fitting(self, entry: Entry) -> Entry:
+        """``entry`` as it can be written: replies and leases make an entry grow after its
+        ingest, and an inline body that would take it past what the entry store holds
+        (:attr:`EntryStore.max_value_size`) is put in the body store first, so that the
+        write (a claim, or the record of what was sent) is never refused for its size.
+
+        Raises:
+            StoreUnavailable: the body store failed.
+        """
+        body = entry.inline_body
+        if body is None or len(entry.to_json()) <= self.stores.entries.max_value_size:
+            return entry
+        await self.stores.bodies.put(entry.id, one_chunk(body))
+        log.info("queue %s: body moved to the body store (entry too large with it)", entry.id)
+        return entry.model_copy(update={"inline_body": None})
+
     async def _move_body_out(self, v: Versioned) -> Versioned:
         """A destination of an entry with an inline body was deferred: the body moves to
         the body store, so that queued mail keeps metadata only in its entry and later
         writes do not carry the body. Done after the outcomes are recorded (the recording
-        is not delayed) and best effort: if the move fails, the entry keeps its inline body
-        (a body stored meanwhile is an orphan, removed by the reconciler once the entry is
-        gone).
+        is not delayed); the entry is read again when another writer (another destination's
+        worker, an admin action) got in between. Best effort: if the move fails, the entry
+        keeps its inline body (a body stored meanwhile is an orphan, removed by the
+        reconciler once the entry is gone).
 
         Returns:
             the entry as now stored (unchanged when the move failed).
         """
-        entry = v.entry
-        assert entry.inline_body is not None
-        moved = entry.model_copy(update={"inline_body": None})
+        assert v.entry.inline_body is not None
         try:
-            await self.stores.bodies.put(entry.id, one_chunk(entry.inline_body))
-            v = Versioned(moved, await self.stores.entries.update(moved, v.revision))
-        except (RevisionConflict, StoreUnavailable) as e:
-            log.info("queue %s: inline body kept (moving it out failed: %s)", entry.id, e)
-            return v
-        log.debug("queue %s: deferred, body moved to the body store", entry.id)
+            await self.stores.bodies.put(v.entry.id, one_chunk(v.entry.inline_body))
+            for attempt in range(RECORD_TRIES):
+                if attempt:
+                    await asyncio.sleep(self._pause(attempt))
+                    fresh = await self._get(v.entry.id)
+                    if fresh is None or fresh.entry.inline_body is None:
+                        return v  # removed, or moved by another writer meanwhile
+                    v = fresh
+                moved = v.entry.model_copy(update={"inline_body": None})
+                try:
+                    v = Versioned(moved, await self.stores.entries.update(moved, v.revision))
+                except RevisionConflict:
+                    continue
+                log.debug("queue %s: deferred, body moved to the body store", moved.id)
+                return v
+        except StoreUnavailable as e:
+            log.info("queue %s: inline body kept (moving it out failed: %s)", v.entry.id, e)
         return v
+
+    def _pause(self, attempt: int) -> float:
+        """A random pause before compare-and-set try ``attempt`` (1, 2, ...), seconds: none
+        before the first re-read, then growing up to :data:`RECORD_PAUSE_MAX_S`."""
+        if attempt < 2:
+            return 0.0
+        return self.rng.uniform(0, min(RECORD_PAUSE_MAX_S, 0.005 * attempt))
 
     def _body(self, entry: Entry) -> AsyncIterator[bytes]:
         """The body to send at DATA. A stored body deleted meanwhile (admin delete) raises
@@ -378,6 +411,7 @@ class Worker:
             marked = await self.notifier.notify(v.entry, self.clock())
             try:
                 if marked is not None:
+                    marked = await self._fitting(marked)
                     v = Versioned(marked, await self.stores.entries.update(marked, v.revision))
                 if v.entry.is_final:
                     if v.entry.inline_body is None:

@@ -334,6 +334,83 @@ async def test_a_deferred_inline_body_moves_to_the_body_store(queue_harness: Har
         await h.stores.bodies.info(qid)
 
 
+async def test_moving_a_deferred_inline_body_out_survives_another_writer(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compare-and-set that moves a deferred inline body out loses to another write
+    (another destination's outcome, an admin action): the entry is read again and the
+    move made on it, so the queued entry holds metadata only."""
+    h = queue_harness
+    h.settings.smtp.inline_body_max = INLINE_MAX
+    h.dns.add(one_mx("raced.example.test", "127.0.2.21"))
+    entries = h.stores.entries
+    update = entries.update
+    raced = False
+
+    async def racing_update(entry: Entry, revision: int) -> int:
+        nonlocal raced
+        if entry.inline_body is None and not raced:  # the move: another writer first
+            raced = True
+            current = await entries.get(entry.id)
+            other = current.entry.model_copy(update={"last_error": "another writer"})
+            await update(other, current.revision)
+        return await update(entry, revision)
+
+    monkeypatch.setattr(entries, "update", racing_update)
+    busy = {"u@raced.example.test": "450 4.2.1 mailbox busy, try later"}
+    async with SmtpdMx("127.0.2.21", h.mx_port, rcpt_replies=busy):
+        qid = await h.submit(case_message("CASE-17"), ["u@raced.example.test"])
+        async with h.running():
+
+            async def moved() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.inline_body is None
+
+            await eventually(moved, what="body moved out after a lost compare-and-set")
+    e = await h.entry(qid)
+    assert raced and e is not None and e.last_error == "another writer"
+    assert e.recipients[0].attempts == 1, "moved after the first deferral, not a later one"
+    assert (await h.stores.bodies.info(qid)).size == e.size
+
+
+async def test_an_inline_body_leaves_an_entry_that_its_replies_make_too_large(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``smtp.inline_body_max``: a long multi-line 4yz (RFC 5321 §4.2.1) recorded on an
+    entry with an inline body would take it past what the entry store holds; the body goes
+    to the body store first, so the outcome is recorded (not refused for its size, which
+    would send the message again after the lease), and the later attempt delivers it."""
+    h = queue_harness
+    h.settings.smtp.inline_body_max = INLINE_MAX
+    h.configure(retry={"base_s": 1.0})
+    h.dns.add(one_mx("long-reply.example.test", "127.0.2.19"))
+    limit = 12 * 1024
+    monkeypatch.setattr(JetStreamEntryStore, "max_value_size", property(lambda _: limit))
+    message = b"Subject: x\r\n\r\n" + b"body line\r\n" * 300  # 3 KB: fits at ingest
+    reply = "\n".join(f"450-4.2.1 busy {i:02d} " + "x" * 480 for i in range(20))
+    reply += "\n450 4.2.1 try later"
+    rcpt = "u@long-reply.example.test"
+    async with ScriptedMx("127.0.2.19", h.mx_port, rcpt_replies={rcpt: reply}) as mx:
+        qid = await h.submit(message, [rcpt])
+        submitted = await h.entry(qid)
+        assert submitted is not None and submitted.inline_body is not None
+        async with h.running():
+
+            async def recorded() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.recipients[0].attempts == 1
+
+            await eventually(recorded, what="the long reply recorded")
+            e = await h.entry(qid)
+            assert e is not None and e.inline_body is None
+            assert e.recipients[0].last_reply is not None
+            assert len(e.recipients[0].last_reply.text) > limit // 2
+            mx.rcpt_replies.clear()
+            await eventually(lambda: gone(h, qid), what="delivered later")
+    [delivered] = mx.delivered
+    assert split_body(delivered.content)[1] == message
+
+
 async def test_multiline_replies_case19(queue_harness: Harness) -> None:
     """CASE-19: a 3-line greeting and a mixed-case EHLO reply ending in a bare "250" are
     understood (SIZE=35882577 recognised: MAIL carries SIZE=); ok@ is delivered once;
