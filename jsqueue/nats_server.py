@@ -210,9 +210,16 @@ class EmbeddedNats:
         with self.log_file.open("ab") as out:
             try:
                 # Popen (not asyncio's subprocess) so that kill() can reap the process
-                # synchronously; spawning does not block: readiness is polled below.
+                # synchronously; spawning does not block: readiness is polled below. In a
+                # session of its own: a Ctrl-C (SIGINT to the terminal's process group)
+                # must reach jsqueue only, which drains its deliveries (recording what
+                # was sent needs the server) and then stops the server with stop().
                 self._proc = subprocess.Popen(  # noqa: ASYNC220
-                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             except OSError as e:
                 raise JsqueueError(f"cannot start nats-server {binary}: {e}") from e

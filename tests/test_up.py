@@ -17,10 +17,16 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-async def test_up_accepts_mail_and_stops_when_its_nats_server_dies(tmp_path: Path) -> None:
-    """``jsqueue up`` serves SMTP on its embedded nats-server (250 = stored); if that
-    server dies, jsqueue does not limp on answering 451 forever: it shuts down with one
-    line on stderr and exit code 1, so a supervisor restarts it."""
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _up_env(tmp_path: Path) -> tuple[dict[str, str], int]:
+    """Environment for ``jsqueue up`` on free loopback ports; and its SMTP port."""
     ports: set[int] = set()
     while len(ports) < 3:
         ports.add(shared_port(["127.0.0.1"]))
@@ -34,21 +40,34 @@ async def test_up_accepts_mail_and_stops_when_its_nats_server_dies(tmp_path: Pat
         "JSQUEUE_WORKER__SMARTHOST__HOST": "127.0.0.1",
         "JSQUEUE_WORKER__SMARTHOST__PORT": "9",
     }
+    return env, smtp_port
+
+
+async def _send_when_up(smtp_port: int) -> None:
+    """Send one message once the front end listens (250 expected)."""
+    reply = None
+    for _ in range(100):
+        try:
+            with smtplib.SMTP("127.0.0.1", smtp_port, timeout=5) as client:
+                reply = client.sendmail(
+                    "alice@example.test", ["bob@example.test"], b"Subject: t\r\n\r\nhi\r\n"
+                )
+            break
+        except OSError:
+            await asyncio.sleep(0.2)
+    assert reply == {}, "the message was accepted"
+
+
+async def test_up_accepts_mail_and_stops_when_its_nats_server_dies(tmp_path: Path) -> None:
+    """``jsqueue up`` serves SMTP on its embedded nats-server (250 = stored); if that
+    server dies, jsqueue does not limp on answering 451 forever: it shuts down with one
+    line on stderr and exit code 1, so a supervisor restarts it."""
+    env, smtp_port = _up_env(tmp_path)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "jsqueue", "up", env=env, stderr=asyncio.subprocess.PIPE
     )
     try:
-        reply = None
-        for _ in range(100):
-            try:
-                with smtplib.SMTP("127.0.0.1", smtp_port, timeout=5) as client:
-                    reply = client.sendmail(
-                        "alice@example.test", ["bob@example.test"], b"Subject: t\r\n\r\nhi\r\n"
-                    )
-                break
-            except OSError:
-                await asyncio.sleep(0.2)
-        assert reply == {}, "the message was accepted"
+        await _send_when_up(smtp_port)
         nats_pids = _children(proc.pid)
         assert len(nats_pids) == 1
         os.kill(nats_pids[0], signal.SIGKILL)
@@ -59,6 +78,39 @@ async def test_up_accepts_mail_and_stops_when_its_nats_server_dies(tmp_path: Pat
         assert "Traceback" not in err
         assert f"embedded nats-server (pid {nats_pids[0]}) exited unexpectedly" in err
         assert err.strip().splitlines()[-1].startswith("jsqueue: the embedded nats-server died")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_ctrl_c_reaches_jsqueue_which_stops_its_nats_server_after_draining(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C in the terminal of ``make run`` (SIGINT to the whole process group): the
+    embedded nats-server, in a session of its own, does not get it, so the worker can
+    record what it sent while draining; jsqueue then stops the server and exits cleanly."""
+    env, smtp_port = _up_env(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jsqueue",
+        "up",
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # a terminal's process group, led by jsqueue
+    )
+    try:
+        await _send_when_up(smtp_port)
+        [nats_pid] = _children(proc.pid)
+        assert os.getpgid(nats_pid) != proc.pid, "the nats-server is outside the group"
+        os.killpg(proc.pid, signal.SIGINT)
+        code = await asyncio.wait_for(proc.wait(), 60)
+        assert proc.stderr is not None
+        err = (await proc.stderr.read()).decode()
+        assert code == 0, err[-2000:]
+        assert "Traceback" not in err and "exited unexpectedly" not in err
+        assert not _running(nats_pid), "jsqueue stopped its nats-server"
     finally:
         if proc.returncode is None:
             proc.kill()
