@@ -100,6 +100,7 @@ async def test_ctrl_c_reaches_jsqueue_which_stops_its_nats_server_after_draining
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,  # a terminal's process group, led by jsqueue
     )
+    nats_pid = 0
     try:
         await _send_when_up(smtp_port)
         [nats_pid] = _children(proc.pid)
@@ -115,3 +116,5 @@ async def test_ctrl_c_reaches_jsqueue_which_stops_its_nats_server_after_draining
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        if nats_pid and _running(nats_pid):  # a failed run must not leave it behind
+            os.kill(nats_pid, signal.SIGKILL)
