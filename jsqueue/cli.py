@@ -403,7 +403,7 @@ def _bulk(
         async with open_admin(settings) as adm:
             queue_ids = list(ids) if ids else await adm.select(flt)
             domain = flt.domain if action is Action.FLUSH else None
-            if len(queue_ids) > 1:
+            if len(queue_ids) > 1 and sys.stderr.isatty():  # elsewhere it prints its label
                 with typer.progressbar(
                     length=len(queue_ids), label=action.value, file=sys.stderr
                 ) as bar:
