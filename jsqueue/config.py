@@ -24,6 +24,8 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -61,6 +63,18 @@ class _Section(BaseModel):
     ``JSQUEUE_<SECTION>__<NAME>`` variable must not be silently ignored)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: object, info: ValidationInfo) -> object:
+        """``true``/``false`` (TOML, JSON) is not a number; pydantic would read it as 1/0."""
+        numeric = info.field_name is not None and cls.model_fields[info.field_name].annotation in (
+            int,
+            float,
+        )
+        if isinstance(value, bool) and numeric:
+            raise ValueError("expected a number, not true/false")
+        return value
 
 
 def _int_text(value: object) -> object:

@@ -85,6 +85,9 @@ INVALID = [
     ),
     pytest.param({}, "[retry]\nbase_s = -1\n", r"retry\.base_s: .*greater than 0", id="toml"),
     pytest.param({}, "[smtp]\nprot = 25\n", r"smtp\.prot: Extra inputs", id="toml-unknown"),
+    pytest.param(
+        {}, "[smtp]\ninline_body_max = true\n", r"smtp\.inline_body_max: .*true/false", id="bool"
+    ),
     pytest.param({}, "[worker\nmx_port = \n", r"config file .*jsqueue\.toml: ", id="toml-bad"),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
 ]
