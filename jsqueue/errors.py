@@ -49,6 +49,10 @@ class StoreUnavailable(StoreError):
     """NATS could not be reached, timed out, or refused the request (e.g. bucket full)."""
 
 
+class EntryTooLarge(StoreUnavailable):
+    """An entry's stored form is larger than the entry store takes (NATS's max_payload)."""
+
+
 class EntryNotFound(StoreError):
     """No queue entry exists under the given queue id."""
 

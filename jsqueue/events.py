@@ -399,7 +399,6 @@ async def open_publisher(
     Raises:
         StoreUnavailable: NATS unreachable within the connect timeout.
     """
-
     from jsqueue.store.jetstream import close_nats, connect_nats
 
     names = names or Names(settings.prefix)

@@ -29,6 +29,7 @@ from jsqueue.errors import (
     BodyNotFound,
     EntryDeleted,
     EntryNotFound,
+    EntryTooLarge,
     RevisionConflict,
     StoreUnavailable,
 )
@@ -242,18 +243,16 @@ class Worker:
             try:
                 if expired is not None:
                     before = v.entry
-                    expired = await self._fitting(expired)
-                    v = Versioned(expired, await self.stores.entries.update(expired, v.revision))
+                    v = await self._update(expired, v.revision)
                     self._log_expired(before, v.entry, item.domain)
                     await self._finish(v)
                     await due.ack()
                     return
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
-                claimed = await self._fitting(claimed)
-                rev = await self.stores.entries.update(claimed, v.revision)
+                v = await self._update(claimed, v.revision)
             except RevisionConflict:
                 continue
-            await self._attempt(due, Versioned(claimed, rev))
+            await self._attempt(due, v)
             return
         await due.retry(1.0)
 
@@ -298,8 +297,7 @@ class Worker:
                     await self.stores.entries.delete(new.id, revision=v.revision)
                     v, removed = Versioned(new, v.revision), True
                 else:
-                    new = await self._fitting(new)
-                    v = Versioned(new, await self.stores.entries.update(new, v.revision))
+                    v = await self._update(new, v.revision)
                 break
             except RevisionConflict:
                 continue
@@ -319,21 +317,25 @@ class Worker:
         else:
             await due.retry(recorded.retry_delay_s)
 
-    async def _fitting(self, entry: Entry) -> Entry:
-        """``entry`` as it can be written: replies and leases make an entry grow after its
-        ingest, and an inline body that would take it past what the entry store holds
-        (:attr:`EntryStore.max_value_size`) is put in the body store first, so that the
-        write (a claim, or the record of what was sent) is never refused for its size.
+    async def _update(self, entry: Entry, revision: int) -> Versioned:
+        """Compare-and-set ``entry`` at ``revision``. Replies and leases make an entry grow
+        after its ingest: one the entry store refuses as too large with its inline body
+        gets the body put in the body store and is written without it, so a claim or the
+        record of what was sent is never refused for its size.
 
         Raises:
-            StoreUnavailable: the body store failed.
+            RevisionConflict, EntryTooLarge (too large even without a body),
+            StoreUnavailable.
         """
-        body = entry.inline_body
-        if body is None or len(entry.to_json()) <= self.stores.entries.max_value_size:
-            return entry
-        await self.stores.bodies.put(entry.id, one_chunk(body))
+        try:
+            return Versioned(entry, await self.stores.entries.update(entry, revision))
+        except EntryTooLarge:
+            if entry.inline_body is None:
+                raise
+        await self.stores.bodies.put(entry.id, one_chunk(entry.inline_body))
         log.info("queue %s: body moved to the body store (entry too large with it)", entry.id)
-        return entry.model_copy(update={"inline_body": None})
+        without = entry.model_copy(update={"inline_body": None})
+        return Versioned(without, await self.stores.entries.update(without, revision))
 
     async def _move_body_out(self, v: Versioned) -> Versioned:
         """A destination of an entry with an inline body was deferred: the body moves to
@@ -411,8 +413,7 @@ class Worker:
             marked = await self.notifier.notify(v.entry, self.clock())
             try:
                 if marked is not None:
-                    marked = await self._fitting(marked)
-                    v = Versioned(marked, await self.stores.entries.update(marked, v.revision))
+                    v = await self._update(marked, v.revision)
                 if v.entry.is_final:
                     if v.entry.inline_body is None:
                         await self.stores.bodies.delete(v.entry.id)

@@ -150,22 +150,27 @@ async def test_restart_mid_delivery_case14(
     assert after.last_attempt_at >= before.next_attempt_at
 
 
-@pytest.mark.parametrize("kill_point", ["before body delete", "before ack"])
+@pytest.mark.parametrize(
+    ("kill_point", "inline_max"),
+    [("before body delete", 0), ("before ack", 0), ("before ack", 128 * 1024)],
+    ids=["before body delete", "before ack", "before ack, inline body"],
+)
 async def test_restart_after_the_fast_path_removal(
     queue_harness: Harness,
     nats_server: EmbeddedNats,
     monkeypatch: pytest.MonkeyPatch,
     kill_point: str,
+    inline_max: int,
 ) -> None:
     """CASE-14's K4 for mail that owes no DSN: the worker removes the delivered entry with
     its compare-and-set (jsqueue.worker, one synced write less) and dies before removing the
     body, or before the ack; NATS restarts too. The item comes back after the ack wait,
     finds the entry deleted and is settled at once: one copy at the MX, nothing left to
-    work on (a body left behind is an orphan for the reconciler, never delivered). The
-    body is kept in the body store here (``smtp.inline_body_max = 0``): an inline body has
-    no delete of its own."""
+    work on (a body left behind is an orphan for the reconciler, never delivered). Also
+    with the body inline in the entry (``smtp.inline_body_max``), which has no body delete
+    of its own, so only the crash before the ack applies."""
     h = queue_harness
-    h.settings.smtp.inline_body_max = 0
+    h.settings.smtp.inline_body_max = inline_max
     h.dns.add(case_text("CASE-14", "dns.txt") + SENDER_ZONE)
     crashed = asyncio.Event()
     w1 = h.worker()
@@ -195,6 +200,8 @@ async def test_restart_after_the_fast_path_removal(
 
     async with SmtpdMx("127.0.2.100", h.mx_port) as ok:
         qid = await h.submit(case_message("CASE-14"), ["ok@ok.example.test"])
+        submitted = await h.entry(qid)
+        assert submitted is not None and (submitted.inline_body is not None) == bool(inline_max)
         stop = asyncio.Event()
         task = asyncio.create_task(w1.run(stop))
         await asyncio.wait_for(crashed.wait(), 15)

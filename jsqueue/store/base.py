@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState
-from jsqueue.errors import BodyCorrupt, InvalidName, StoreUnavailable
+from jsqueue.errors import BodyCorrupt, EntryTooLarge, InvalidName
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ class EntryStore(Protocol):
     @property
     def max_value_size(self) -> int:
         """The largest stored form of an entry (:meth:`Entry.to_json`, inline body
-        included) the store takes, octets; a larger one raises StoreUnavailable. The front
+        included) the store takes, octets; a larger one raises EntryTooLarge (a
+        StoreUnavailable). The front
         end keeps a body inline only while its entry stays well below it."""
         ...
 
@@ -346,11 +347,11 @@ def encode_entry(entry: Entry, max_size: int) -> bytes:
     hold at most ``max_size`` octets.
 
     Raises:
-        StoreUnavailable: the stored form is larger than ``max_size`` (nothing is written).
+        EntryTooLarge: the stored form is larger than ``max_size`` (nothing is written).
     """
     data = entry.to_json()
     if len(data) > max_size:
-        raise StoreUnavailable(
+        raise EntryTooLarge(
             f"entry {entry.id}: {len(data)} octets exceed the maximum of {max_size}"
         )
     return data

@@ -149,6 +149,9 @@ _ERR_CONSUMER_EXISTS = (10013, 10148)
 #: whose peers are still coming online.
 _ERR_NO_PLACEMENT = (10005, 10023)
 _NS = 1_000_000_000
+#: Stream settings the server fixes when it creates a stream and refuses to update: an
+#: existing stream keeps its own (with a warning) instead of failing the start.
+_FIXED_AT_CREATION = frozenset({"persist_mode"})
 
 _Retryable = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, asyncio.TimeoutError)
 _NatsFailure = (nats.errors.Error, asyncio.TimeoutError, OSError)
@@ -421,17 +424,16 @@ async def _ensure_stream(
                     continue  # created concurrently by another process: compare it
                 raise ProvisioningError(f"stream {name}: cannot create: {ce}") from ce
         diff = _differences(info["config"], wanted)
-        if "persist_mode" in diff:
-            # Fixed at creation (the server refuses to change it); keep the stream as it is.
+        for field in _FIXED_AT_CREATION & diff.keys():
             log.warning(
-                "stream %s keeps persist_mode %r (set when it was created; only a new "
-                "stream can have %r)",
+                "stream %s keeps %s %r (set when it was created; only a new stream can have %r)",
                 name,
-                info["config"].get("persist_mode", "default"),
-                wanted.get("persist_mode", "default"),
+                field,
+                info["config"].get(field, "default"),
+                wanted.get(field, "default"),
             )
-            del diff["persist_mode"]
-            wanted = {k: v for k, v in wanted.items() if k != "persist_mode"}
+            del diff[field]
+            wanted = {k: v for k, v in wanted.items() if k != field}
         if not diff:
             return
         try:
