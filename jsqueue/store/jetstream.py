@@ -374,11 +374,12 @@ def _diff_text(kind: str, name: str, diff: dict[str, tuple[Any, Any]]) -> str:
 async def _api_waiting(
     nc: NATS, subject: str, body: dict[str, Any] | None, timeout_s: float
 ) -> Any:
-    """A provisioning request (STREAM/CONSUMER INFO or CREATE), repeated for up to
-    :data:`PLACEMENT_WAIT_S` seconds while the cluster is not ready for it: a timeout or a
-    503 (leaders still being elected after a start or restart), or no placement for an R3
-    object yet (peers not yet seen online). A CREATE repeated after a timeout that was
-    stored after all is refused as "already in use", which the callers handle.
+    """A provisioning request (STREAM/CONSUMER INFO, CREATE or UPDATE; an UPDATE to the
+    same config is idempotent), repeated for up to :data:`PLACEMENT_WAIT_S` seconds while
+    the cluster is not ready for it: a timeout or a 503 (leaders still being elected after
+    a start or restart), or no placement for an R3 object yet (peers not yet seen online).
+    A CREATE repeated after a timeout that was stored after all is refused as "already in
+    use", which the callers handle.
 
     Raises:
         _ApiError: any other refusal (404 included), or the last one when the wait ran out.
@@ -437,7 +438,9 @@ async def _ensure_stream(
         if not diff:
             return
         try:
-            resp = await _api(nc, f"STREAM.UPDATE.{name}", {**info["config"], **wanted}, timeout_s)
+            resp = await _api_waiting(
+                nc, f"STREAM.UPDATE.{name}", {**info["config"], **wanted}, timeout_s
+            )
         except _ApiError as e:
             if disposable:
                 log.warning("%s; recreating it", _diff_text("stream", name, diff))
