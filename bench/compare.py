@@ -39,7 +39,8 @@ the system; reaped children included), peak RSS of each jsqueue process. The tab
 (markdown) is printed and saved under ``bench/results/`` with the date and the machine;
 ``--repeat`` runs each scenario several times (jsqueue and Postfix alternating) and
 reports medians.
-``--profile`` also samples the front end and the worker with py-spy during scenario 1.
+``--profile`` also samples the front end and the worker with py-spy during the first scenario
+run.
 
 Nothing leaves 127.0.0.0/8.
 """
@@ -1055,7 +1056,7 @@ def main() -> None:
                 for rep in range(args.repeat):
                     for name in systems:
                         system = make_system(name, sc, rep)
-                        prof = profile_dir if sc.key == "small" and rep == 0 else None
+                        prof = profile_dir if sc is scenarios[0] and rep == 0 else None
                         run = f"{sc.key}{rep}x{random.randrange(10**6)}"
                         r = run_scenario(system, sc, sinks, run, prof)
                         results.append(r)

@@ -140,8 +140,12 @@ class DataDecoder:
         """Decode complete lines (``region`` starts at a line start, ends with a break)."""
         if not region or self.error is not None:
             return b""
-        crlf = region.count(b"\r\n")
-        bare = region.count(b"\n") != crlf or region.count(b"\r") != crlf
+        # One pass each, no per-line objects beyond ``lines``: region ends with a complete
+        # line break, so ``lines`` has one piece per break (CRLF, bare CR or bare LF), and
+        # there is no bare one exactly when CRs, LFs and breaks are equally many.
+        lines = region.splitlines()
+        lf = region.count(b"\n")
+        bare = region.count(b"\r") != lf or len(lines) != lf
         if bare:
             self.bare_line_endings = True
             if not self._accept_bare:
@@ -157,7 +161,13 @@ class DataDecoder:
                 out = out[1:]
             out = out.replace(b"\r\n.", b"\r\n")
         self._crlf_before = region.endswith(b"\r\n")
-        if len(out) > self._max_line and max(map(len, out.split(b"\r\n"))) > self._max_line:
+        # A raw line within the limit is within it unstuffed too; only a long raw line (rare)
+        # needs the exact check on the unstuffed octets.
+        if (
+            len(out) > self._max_line
+            and max(map(len, lines)) > self._max_line
+            and max(map(len, out.split(b"\r\n"))) > self._max_line
+        ):
             self._fail(R500_DATA_LINE_TOO_LONG)
             return b""
         self.size += len(out)

@@ -105,6 +105,25 @@ def test_case01_payloads(name: str) -> None:
     assert b"\r" not in content.replace(b"\r\n", b"") and b"\n" not in content.replace(b"\r\n", b"")
 
 
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        (b"a\n\rb\r\n", [b"a", b"", b"b"]),  # LF CR: as many CRs as LFs, none paired
+        (b"a\rb\nc\r\n", [b"a", b"b", b"c"]),  # one bare CR and one bare LF
+        (b"a\r\r\n\nb\r\n", [b"a", b"", b"", b"b"]),  # bare ones around a CRLF
+    ],
+)
+@pytest.mark.parametrize("split", [1, 3, 64])
+def test_bare_line_ends_hidden_by_equal_counts(data: bytes, lines: list[bytes], split: int) -> None:
+    """RFC 5321 §2.3.8: a bare CR and a bare LF in one read (equally many CRs and LFs) are
+    still bare line ends: 550 5.6.11 under the reject policy, CRLF lines under accept."""
+    message = data + b".\r\n"
+    assert decode(message, split=split)[2] == 550
+    content, _, code = decode(message, split=split, policy=BareLinePolicy.ACCEPT)
+    assert code is None and content is not None
+    assert content.split(b"\r\n")[:-1] == lines
+
+
 def test_case03_variant_b_policies() -> None:
     """CASE-03 variant B: reject → 550; accept → the author's lines, unstuffed per LF line."""
     data = case_file("CASE-03", "variant-b-bare-lf.bin")

@@ -63,6 +63,22 @@ def test_dot_stuffing_round_trips_across_any_chunking(data: bytes, cuts: list[in
     assert unstuff(stream) == canonical(data)
 
 
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"aa.\n.\r\r", b"b"],  # bare LF, then a bare CR before the held-back CR
+        [b"x\r\r", b"\n.y"],  # the held-back CR completes a CRLF in the next chunk
+        [b"\r", b"\r", b".\n"],  # chunks of bare CRs only
+    ],
+)
+def test_bare_line_ends_at_a_chunk_end_are_all_normalised(chunks: list[bytes]) -> None:
+    """RFC 5321 §2.3.8, §4.5.2: a chunk that still ends in a bare CR after the possible
+    first half of a CRLF is held back has every line break counted; nothing bare is sent."""
+    stream = stuff(chunks)
+    assert re.search(rb"\r(?!\n)|(?<!\r)\n", stream) is None
+    assert unstuff(stream) == canonical(b"".join(chunks))
+
+
 def test_case03_message_is_stuffed_exactly() -> None:
     """CASE-03 variant A: every line starting with "." gets exactly one more dot."""
     message = (CASES / "CASE-03" / "message.eml").read_bytes()

@@ -66,13 +66,16 @@ class DotStuffer:
             self._pending_cr = True
         if not chunk:
             return b""
-        n_crlf = chunk.count(b"\r\n")
-        if chunk.count(b"\r") != n_crlf or chunk.count(b"\n") != n_crlf:
+        # Line breaks (CRLF, bare CR, bare LF) are one piece each of splitlines(), less the
+        # unterminated last piece: none is bare exactly when CRs, LFs and breaks are equally
+        # many. Three fast passes instead of counting CRLF pairs (a slow two-octet search).
+        lf = chunk.count(b"\n")
+        breaks = len(chunk.splitlines()) - (not chunk.endswith((b"\n", b"\r")))
+        if chunk.count(b"\r") != lf or breaks != lf:
             chunk = _BARE_EOL.sub(b"\r\n", chunk)
         if self._at_line_start and chunk.startswith(b"."):
             chunk = b"." + chunk
-        if b"\r\n." in chunk:
-            chunk = chunk.replace(b"\r\n.", b"\r\n..")
+        chunk = chunk.replace(b"\r\n.", b"\r\n..")
         self._at_line_start = chunk.endswith(b"\r\n")
         return chunk
 
