@@ -13,7 +13,9 @@ hold. KV changes first, then the work stream (DESIGN.md §4):
 * **flush** (``postqueue -f`` / ``-i`` / ``-s``): bump the generation, make the open
   recipients (of one domain, or all) due now, then ``Scheduler.flush`` one work item per
   open domain with the new generation; older items arrive stale and drop. A domain not
-  flushed gets its item back at once, and the worker re-NAKs it until its own time.
+  flushed gets its item back at once, and the worker re-NAKs it until its own time. A
+  running lease is never broken (the result names its owner and end); an expired one is
+  dropped in the same compare-and-set.
 * **hold** (``postsuper -h``): set the hold flag. Work items of a held entry drop on
   arrival; an attempt already under way finishes and is recorded.
 * **release** (``postsuper -H``): clear the flag and reschedule like a flush.
@@ -78,6 +80,7 @@ from jsqueue.events import (
     recipient_event,
 )
 from jsqueue.names import check_queue_id
+from jsqueue.state import release as release_lease
 from jsqueue.store.base import Stores, Versioned, WorkItem, open_entry_body
 
 #: Entries read per store request when scanning the whole queue (``EntryStore.page``).
@@ -234,10 +237,19 @@ class DomainStats(BaseModel):
 
 
 class QueueStats(BaseModel):
-    """``queue stats``: counts by state and destination, the oldest message, the backlog."""
+    """``queue stats``: counts by state and destination, the oldest message, the backlog.
 
-    entries: int
-    by_state: dict[EntryState, int]
+    ``entries`` and ``by_state`` count the messages still queued, the same set ``queue ls``
+    lists (states held, active, pending, deferred). Final entries still in the bucket are
+    not queued messages and are counted apart in ``kept``: finished DSNs kept for
+    ``reconciler.dsn_retention_s`` so a DSN re-enqueued after a crash is not sent twice
+    (:mod:`jsqueue.bounce`), and final entries a worker or the reconciler is about to
+    remove.
+    """
+
+    entries: int = Field(description="queued messages (what `queue ls` lists)")
+    by_state: dict[EntryState, int] = Field(description="queued messages by state")
+    kept: int = Field(0, description="final entries kept (DSN bookkeeping): not queued")
     by_domain: dict[str, DomainStats] = Field(
         description="open recipients per destination domain, most first"
     )
@@ -354,22 +366,53 @@ def _sender_matches(pattern: str, reverse_path: str) -> bool:
 
 def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Entry | None, str]:
     """``entry`` with its open recipients (of ``domain``, or all) due ``now`` and a new
-    generation; None (with the reason) when it is held or nothing is open. Pure."""
+    generation; None (with the reason) when it is held, nothing is open, or every such
+    recipient's destination is under a running lease. Pure.
+
+    Leases (DESIGN.md §2.3), per destination domain:
+
+    * a lease still running (``until`` after ``now``) is never broken: its worker may be in
+      the middle of the SMTP transaction, and a second attempt could send the message twice.
+      Its recipients are left as they are and the reason says ``<domain>: leased by <owner>
+      until <time> UTC, tried then``: if that worker died, the destination is tried when the
+      lease runs out; if it lives, its outcome sets the next attempt.
+    * a lease that has run out (its worker died or gave up) is dropped and its active
+      recipients become pending (deferred after an attempt) and due ``now``, as a worker's
+      own claim would override it. The caller writes the result by compare-and-set, so a
+      worker that claims the destination meanwhile wins and the flush is applied to its
+      version.
+    """
     if entry.held:
         return None, "held: release it instead"
-    targets = [
-        r
+    wanted = {
+        r.domain
         for r in entry.recipients
         if not r.state.is_final and (domain is None or r.domain == domain)
-    ]
-    if not targets:
+    }
+    if not wanted:
         return None, "nothing to deliver"
+    live = {d: lease for d, lease in entry.leases.items() if d in wanted and lease.until > now}
+    notes = [
+        f"{d}: leased by {lease.owner} until {_ts(lease.until)} UTC, tried then if that worker "
+        "is gone (a running lease is never broken: its worker may be mid-delivery)"
+        for d, lease in sorted(live.items())
+    ]
+    free = wanted - live.keys()
+    if not free:
+        return None, "; ".join(notes)
     new = entry.model_copy(deep=True)
     new.generation += 1
+    for d in sorted(free):
+        ran_out = new.leases.get(d)
+        if ran_out is not None:
+            new = release_lease(new, d)
+            notes.insert(0, f"{d}: lease of {ran_out.owner} expired {_ts(ran_out.until)} UTC")
+    count = 0
     for r in new.recipients:
-        if not r.state.is_final and (domain is None or r.domain == domain):
+        if not r.state.is_final and r.domain in free:
             r.next_attempt_at = now
-    return new, f"{len(targets)} recipient(s) due now"
+            count += 1
+    return new, "; ".join([f"{count} recipient(s) due now", *notes])
 
 
 def held(entry: Entry) -> tuple[Entry | None, str]:
@@ -549,9 +592,10 @@ class Admin:
     async def stats(self) -> QueueStats:
         """Counts by state and destination domain, the oldest open entry, the backlog.
 
-        Reads every entry once (one pass, ``SCAN_PAGE`` entries per request): seconds for
-        100 000 entries, so not for a hot path. The backlog is None when the consumer
-        cannot be asked.
+        Counts the entries :meth:`page` lists (``queue ls`` without filters); final entries
+        (kept DSN records) are counted in :attr:`QueueStats.kept` only. Reads every entry
+        once (one pass, ``SCAN_PAGE`` entries per request): seconds for 100 000 entries, so
+        not for a hot path. The backlog is None when the consumer cannot be asked.
 
         Raises:
             StoreUnavailable.
@@ -561,14 +605,15 @@ class Admin:
         by_state: dict[EntryState, int] = {}
         by_domain: dict[str, DomainStats] = {}
         oldest: Entry | None = None
-        total = 0
+        total = kept = 0
         async for v in self.scan(EntryFilter(states=frozenset(EntryState))):
             e = v.entry
-            total += 1
             st = e.state
-            by_state[st] = by_state.get(st, 0) + 1
-            if st is EntryState.DONE:
+            if st not in OPEN_STATES:  # what `queue ls` leaves out by default: done
+                kept += 1
                 continue
+            total += 1
+            by_state[st] = by_state.get(st, 0) + 1
             if oldest is None or e.created_at < oldest.created_at:
                 oldest = e
             seen: set[str] = set()
@@ -590,6 +635,7 @@ class Admin:
         return QueueStats(
             entries=total,
             by_state=by_state,
+            kept=kept,
             by_domain=ordered,
             oldest_id=oldest.id if oldest else None,
             oldest_created_at=oldest.created_at if oldest else None,
@@ -647,8 +693,13 @@ class Admin:
         """Deliver now, overriding the backoff (``postqueue -i``; ``-s`` with ``domain``).
 
         Idempotent; takes effect within about a second (DESIGN.md §4). Held entries are left
-        alone (release them). A flush while a worker delivers the domain lets that attempt
-        finish; its outcome sets the next attempt as usual.
+        alone (release them). A destination under a running lease (a worker claimed it, and
+        may be delivering or may have died) is not touched: that attempt finishes and its
+        outcome sets the next attempt, or, if the worker is gone, the destination is tried
+        when the lease runs out. The result says so with the lease's owner and end, and is
+        UNCHANGED when nothing else was flushed. An expired lease is dropped by the same
+        compare-and-set, so a destination left behind by a dead worker is tried now (see
+        :func:`flushed`).
 
         Args:
             queue_id: the entry.
@@ -944,6 +995,8 @@ def render_stats(s: QueueStats, top: int = 20) -> list[str]:
     for st in EntryState:
         if s.by_state.get(st):
             lines.append(f"  {st.value:<10}  {s.by_state[st]}")
+    if s.kept:
+        lines.append(f"kept:         {s.kept} final records (DSN bookkeeping), not queued")
     if s.oldest_id is not None and s.oldest_age_s is not None:
         lines.append(f"oldest:       {s.oldest_id} ({human_age(s.oldest_age_s)} old)")
     lines.append(f"backlog:      {'unknown' if s.backlog is None else s.backlog} work items")

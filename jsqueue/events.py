@@ -92,6 +92,8 @@ class Event(BaseModel):
         reverse_path: the envelope sender (``""`` is ``<>``).
         recipients: every forward-path of the message (``received`` only).
         size: message size, octets (``received`` only).
+        body_inline: ``received`` only: True when the front end kept the body inline in
+            the KV entry (``smtp.inline_body_max``), False when it is in the object store.
         source: who changed the state: ``frontend``, ``worker:<owner>`` or ``admin``.
         detail: free text, e.g. why an admin action did what it did.
     """
@@ -112,6 +114,7 @@ class Event(BaseModel):
     reverse_path: str | None = None
     recipients: list[str] | None = None
     size: int | None = None
+    body_inline: bool | None = None
     source: str | None = None
     detail: str | None = None
 
@@ -130,7 +133,7 @@ class Event(BaseModel):
 
 
 def received_event(entry: Entry, *, source: str = "frontend") -> Event:
-    """The ``received`` event of a newly stored entry."""
+    """The ``received`` event of a newly stored entry (its body layout as stored)."""
     return Event(
         kind=EventKind.RECEIVED,
         at=entry.created_at,
@@ -138,6 +141,7 @@ def received_event(entry: Entry, *, source: str = "frontend") -> Event:
         reverse_path=entry.reverse_path,
         recipients=[r.address for r in entry.recipients],
         size=entry.size,
+        body_inline=entry.inline_body is not None,
         source=source,
     )
 

@@ -14,6 +14,10 @@ name                                       type       meaning
 jsqueue_messages_accepted_total            counter    messages stored and answered 250
 jsqueue_accepted_bytes_total               counter    octets of those messages
 jsqueue_accepted_recipients_total          counter    recipients of those messages
+jsqueue_accepted_bodies_total{layout}      counter    those messages by where the body was stored:
+                                                      ``inline`` in the KV entry
+                                                      (``smtp.inline_body_max``) or
+                                                      ``object_store``
 jsqueue_delivery_attempts_total{outcome}   counter    recipient delivery attempts by outcome
                                                       (delivered, deferred, bounced, expired)
 jsqueue_delivery_duration_seconds{outcome} histogram  duration of the SMTP attempt, per recipient
@@ -52,6 +56,10 @@ log = logging.getLogger("jsqueue.metrics")
 #: Histogram buckets of the delivery duration, seconds (a local sink takes milliseconds, a
 #: tarpitting MX minutes; RFC 5321 §4.5.3.2 allows 10 minutes for the final reply).
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+#: ``layout`` label values of ``jsqueue_accepted_bodies_total``: body kept inline in the
+#: KV entry, or stored in the object store.
+BODY_LAYOUTS = ("inline", "object_store")
 
 _ATTEMPT_OUTCOMES = (
     EventKind.DELIVERED,
@@ -96,6 +104,13 @@ class Metrics:
         self.accepted_recipients = Counter(
             "jsqueue_accepted_recipients", "Recipients of the messages accepted.", registry=r
         )
+        self.accepted_bodies = Counter(
+            "jsqueue_accepted_bodies",
+            "Messages accepted, by where the body was stored: inline in the KV entry "
+            "(smtp.inline_body_max) or in the object store.",
+            ["layout"],
+            registry=r,
+        )
         self.attempts = Counter(
             "jsqueue_delivery_attempts",
             "Recipient delivery attempts by outcome.",
@@ -136,6 +151,8 @@ class Metrics:
         self.nats_connected = Gauge(
             "jsqueue_nats_connected", "1 when the last NATS probe succeeded, else 0.", registry=r
         )
+        for layout in BODY_LAYOUTS:  # export zeros before the first message
+            self.accepted_bodies.labels(layout)
         for outcome in _ATTEMPT_OUTCOMES:  # export zeros before the first attempt
             self.attempts.labels(outcome.value)
             self.duration.labels(outcome.value)
@@ -151,6 +168,9 @@ class Metrics:
             self.accepted.inc()
             self.accepted_bytes.inc(event.size or 0)
             self.accepted_recipients.inc(len(event.recipients or ()))
+            if event.body_inline is not None:
+                layout = "inline" if event.body_inline else "object_store"
+                self.accepted_bodies.labels(layout).inc()
         elif event.kind in _ATTEMPT_OUTCOMES and event.duration_s is not None:
             self.attempts.labels(event.kind.value).inc()
             self.duration.labels(event.kind.value).observe(max(0.0, event.duration_s))

@@ -62,6 +62,11 @@ R451_TIMEOUT = _r(451, "4.4.2", "Timed out waiting for the mail exchanger")
 R451_AUTH_FAILED = _r(451, "4.7.8", "Authentication with the relay host failed")
 R451_BODY_UNAVAILABLE = _r(451, "4.3.0", "The message body could not be read; delivery aborted")
 R451_EXPIRED = _r(451, "4.4.7", "Message expired in the queue")
+# The same failures on the hop to the smarthost (``worker.smarthost``), worded for it: the
+# relay is one configured host, not the destination's mail exchangers (RFC 3463 §3.5).
+R451_SMARTHOST_CONNECT_FAILED = _r(451, "4.4.1", "No answer from the smarthost")
+R451_SMARTHOST_CONNECTION_LOST = _r(451, "4.4.2", "Connection to the smarthost was lost")
+R451_SMARTHOST_TIMEOUT = _r(451, "4.4.2", "Timed out waiting for the smarthost")
 
 # Operator actions (jsqueue/admin.py): a 5yz so the DSN reports a failure, not an expiry
 R550_BOUNCED_BY_POSTMASTER = _r(550, "5.7.1", "Message bounced by the postmaster")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from jsqueue.bounce import DsnNotifier
@@ -22,7 +22,7 @@ from jsqueue.delivery import (
     deliver_domain,
 )
 from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
-from jsqueue.envelope import Entry, Recipient, Reply
+from jsqueue.envelope import Entry, Recipient
 from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer
 from jsqueue.frontend import serve_smtp
@@ -33,8 +33,8 @@ from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Stores
 from jsqueue.store.cache import CachedBodyStore
 from jsqueue.store.jetstream import open_jetstream
+from jsqueue.worker import Attempt, Worker
 from jsqueue.worker import BodySource as WorkerBody
-from jsqueue.worker import Worker
 
 log = logging.getLogger("jsqueue")
 
@@ -58,7 +58,7 @@ class SmtpDeliverer:
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: WorkerBody
-    ) -> Mapping[str, Reply]:
+    ) -> Attempt:
         """See :meth:`jsqueue.worker.Deliverer.deliver`."""
         envelope = DeliveryEnvelope(
             domain=domain,
@@ -76,7 +76,7 @@ class SmtpDeliverer:
             self.settings,
             self.connections,
         )
-        return result.replies
+        return Attempt(result.replies, result.tried_host)
 
     async def close(self) -> None:
         """See :meth:`jsqueue.worker.Deliverer.close`: QUIT the cached sessions."""

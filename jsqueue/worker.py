@@ -19,6 +19,7 @@ import random
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
@@ -52,13 +53,29 @@ RECORD_TRIES = 50
 RECORD_PAUSE_MAX_S = 0.1
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What one delivery attempt of one destination domain came back with.
+
+    Attributes:
+        replies: a reply for every recipient address offered (2yz, 4yz or 5yz).
+        host: the host name last connected to or tried (MX, implicit MX, address literal or
+            smarthost), also when it did not answer; None when no connection was tried
+            (e.g. the MX lookup failed). Logged as ``mx=`` for replies jsqueue synthesised.
+    """
+
+    replies: Mapping[str, Reply]
+    host: str | None = None
+
+
 class Deliverer(Protocol):
     """Delivers one entry's open recipients of one destination domain (one attempt)."""
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
-    ) -> Mapping[str, Reply]:
-        """One attempt: MX lookup, SMTP session(s); a reply for every recipient address.
+    ) -> Attempt:
+        """One attempt: MX lookup, SMTP session(s); a reply for every recipient address and
+        the host tried.
 
         Never raises for remote or DNS trouble: failures come back as 4yz/5yz replies.
         """
@@ -263,7 +280,7 @@ class Worker:
         started = self.clock()
         heartbeat = asyncio.create_task(self._heartbeat(due))
         try:
-            outcomes = await self.deliverer.deliver(
+            delivery = await self.deliverer.deliver(
                 entry,
                 item.domain,
                 recipients,
@@ -285,7 +302,7 @@ class Worker:
                 return
             now = self.clock()
             new, recorded = state.record(
-                v.entry, item.domain, outcomes, now, self._policy(v.entry), self.rng
+                v.entry, item.domain, delivery.replies, now, self._policy(v.entry), self.rng
             )
             try:
                 if self._removable(new, now):
@@ -303,7 +320,7 @@ class Worker:
                 continue
         else:
             raise RevisionConflict(f"queue {item.queue_id}: could not record outcomes")
-        self._log_attempt(v.entry, item.domain, recorded, started, now)
+        self._log_attempt(v.entry, item.domain, recorded, started, now, delivery.host)
         if removed:
             if v.entry.inline_body is None:
                 await self.stores.bodies.delete(v.entry.id)
@@ -441,7 +458,11 @@ class Worker:
         recorded: state.Recorded,
         started: datetime,
         now: datetime,
+        tried: str | None = None,
     ) -> None:
+        """One line per recipient: ``mx=`` is the host whose reply was recorded, else the
+        host the attempt tried (``tried``), else ``-`` (no host reached, e.g. a DNS failure);
+        the JSON field ``mx`` is null in that last case."""
         took = (now - started).total_seconds()
         age = (now - entry.created_at).total_seconds()
         groups = (
@@ -454,7 +475,7 @@ class Worker:
             outcome = kind.value
             for r in rcpts:
                 reply = r.last_reply
-                mx = reply.remote_host if reply else None
+                mx = (reply.remote_host if reply else None) or tried
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
                     "took=%.3fs delay=%.0fs next=%s",
@@ -462,7 +483,7 @@ class Worker:
                     r.address,
                     domain,
                     outcome,
-                    mx,
+                    mx or "-",
                     str(reply) if reply else "",
                     r.attempts,
                     took,

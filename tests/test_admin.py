@@ -25,11 +25,14 @@ from jsqueue.admin import (
     parse_duration,
     released,
     render_detail,
+    render_stats,
+    summaries_total,
 )
 from jsqueue.envelope import Entry, EntryState, Lease, Recipient, RecipientState, Reply, utcnow
 from jsqueue.errors import BodyNotFound, EntryNotFound, InvalidName
 from jsqueue.events import Event, EventKind
 from jsqueue.names import new_queue_id
+from jsqueue.state import claim
 from jsqueue.store.base import Stores, WorkItem
 from support.mx import ScriptedMx, Session, SmtpdMx
 from support.nats import backlog_is, read_body
@@ -315,8 +318,8 @@ async def test_page_filters_and_paging(js_stores: Stores) -> None:
 
 
 async def test_stats_counts_states_domains_and_oldest(js_stores: Stores) -> None:
-    """``queue stats``: entries by state (done included), open recipients per destination,
-    the oldest open entry (a done DSN stub is older but does not count), the backlog."""
+    """``queue stats``: queued entries by state, open recipients per destination, the
+    oldest open entry (a kept DSN record is older but does not count), the backlog."""
     entries = [
         entry_at(500, "c.example.test", RecipientState.DELIVERED, is_dsn=True),
         entry_at(300, "a.example.test", RecipientState.DEFERRED),
@@ -326,9 +329,8 @@ async def test_stats_counts_states_domains_and_oldest(js_stores: Stores) -> None
     await store_all(js_stores, entries)
     await js_stores.scheduler.schedule(WorkItem(entries[2].id, "a.example.test", 0))
     stats = await Admin(js_stores).stats()
-    assert stats.entries == 4
+    assert stats.entries == 3 and stats.kept == 1
     assert stats.by_state == {
-        EntryState.DONE: 1,
         EntryState.DEFERRED: 1,
         EntryState.PENDING: 1,
         EntryState.HELD: 1,
@@ -340,6 +342,29 @@ async def test_stats_counts_states_domains_and_oldest(js_stores: Stores) -> None
     assert stats.oldest_id == entries[1].id
     assert stats.oldest_age_s is not None and 299 * 60 < stats.oldest_age_s < 302 * 60
     assert stats.backlog == 1
+
+
+async def test_stats_and_ls_count_the_same_messages(js_stores: Stores) -> None:
+    """``queue stats`` and ``queue ls`` agree on how many messages are queued: a finished
+    DSN kept as bookkeeping against a resend (``jsqueue.bounce``) and a final entry not yet
+    removed are not queued messages; stats shows them on their own ``kept`` line, not in
+    ``entries`` or the per-state counts."""
+    kept_dsn = entry_at(40, "c.example.test", RecipientState.DELIVERED, sender="", is_dsn=True)
+    finishing = entry_at(30, "c.example.test", RecipientState.BOUNCED)
+    queued = [entry_at(20, "a.example.test"), entry_at(10, "b.example.test", held_=True)]
+    await store_all(js_stores, [kept_dsn, finishing, *queued])
+    admin = Admin(js_stores)
+    listed = (await admin.page()).entries
+    stats = await admin.stats()
+    assert summaries_total(listed)[0] == len(queued)
+    assert stats.entries == len(listed) == sum(stats.by_state.values())
+    assert EntryState.DONE not in stats.by_state
+    assert stats.kept == 2
+    assert stats.oldest_id == queued[0].id
+    lines = render_stats(stats)
+    assert lines[0] == f"entries:      {len(queued)}"
+    assert any(line.startswith("kept:         2 ") for line in lines), lines
+    assert not any(line.strip().startswith("done") for line in lines), lines
 
 
 @pytest.mark.parametrize("inline_max", [0, 128 * 1024], ids=["body store", "inline"])
@@ -420,6 +445,48 @@ async def test_concurrent_flushes_leave_a_current_work_item(js_stores: Stores) -
         await d.ack()
 
 
+async def test_flush_of_an_entry_leased_by_a_dead_worker(queue_harness: Harness) -> None:
+    """DESIGN.md §2.3: a worker claimed the destination (lease by CAS) and died. While the
+    lease runs, flush breaks nothing (the owner may be mid-transaction: a duplicate send)
+    and says so: unchanged, leased by whom until when, tried then. Once the lease has run
+    out, flush drops it by compare-and-set and the message is delivered within seconds,
+    once (``postqueue -f``: try now), not when the old item's delay runs out."""
+    h = queue_harness
+    h.dns.add(DEST_ZONE)
+    admin = Admin(h.stores)
+    domain = "dest.example.test"
+    async with SmtpdMx("127.0.2.20", h.mx_port) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        v = await h.stores.entries.get(qid)
+        claimed = claim(v.entry, domain, "dead-worker", utcnow(), 600.0)
+        revision = await h.stores.entries.update(claimed, v.revision)
+        until = claimed.leases[domain].until
+
+        live = await admin.flush(qid)
+        assert live.outcome is Outcome.UNCHANGED, live
+        assert "dead-worker" in live.detail
+        assert until.strftime("%Y-%m-%d %H:%M:%S UTC") in live.detail
+        assert "tried then" in live.detail
+        after = await h.stores.entries.get(qid)
+        assert after.revision == revision and after.entry.leases == claimed.leases
+
+        async with h.running() as (worker,):
+            # The worker finds the live lease and puts the item back until it runs out.
+            await eventually(lambda: worker.handled >= 1, what="item seen")
+            assert mx.connections == 0
+            v = await h.stores.entries.get(qid)
+            ran_out = v.entry.model_copy(deep=True)
+            ran_out.leases[domain] = Lease(owner="dead-worker", until=utcnow())
+            await h.stores.entries.update(ran_out, v.revision)
+
+            result = await admin.flush(qid)
+            assert result.outcome is Outcome.DONE, result
+            assert "dead-worker" in result.detail and "expired" in result.detail
+            await eventually(lambda: len(mx.delivered) == 1, timeout_s=10, what="flushed")
+            await eventually(lambda: gone(h, qid), what="entry removed")
+        assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
+
+
 # --------------------------------------------------------------------------- pure parts
 
 
@@ -447,6 +514,18 @@ def test_pure_changes() -> None:
     b, detail = bounced(e, now, reply)
     assert b is not None and "b.example.test" in detail
     assert [x.state for x in b.recipients] == [RecipientState.BOUNCED, RecipientState.PENDING]
+    live, detail = flushed(e, now, "b.example.test")
+    assert live is None and "leased by w until" in detail  # a running lease is never broken
+    both, detail = flushed(e, now)
+    assert both is not None and both.leases == e.leases and "leased by w" in detail
+    assert [x.next_attempt_at for x in both.recipients] == [now, None]
+    ran_out = e.model_copy(deep=True)
+    ran_out.leases["b.example.test"] = Lease(owner="w", until=now)
+    ran_out.recipients[1].state = RecipientState.ACTIVE
+    freed, detail = flushed(ran_out, now, "b.example.test")
+    assert freed is not None and freed.leases == {} and "expired" in detail
+    assert freed.recipients[1].state is RecipientState.PENDING
+    assert freed.recipients[1].next_attempt_at == now
     null = e.model_copy(update={"reverse_path": "", "leases": {}})
     b2, _ = bounced(null, now, reply)
     assert b2 is not None

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at, store_all
 
-from jsqueue.config import HttpSettings, LogSettings, NatsSettings
+from jsqueue.config import HttpSettings, LogSettings, NatsSettings, SmarthostSettings
 from jsqueue.envelope import EntryState, RecipientState
 from jsqueue.frontend import SmtpServer
 from jsqueue.health import Health, HttpServer
@@ -207,6 +207,80 @@ async def test_attempt_log_line_as_json(
     assert f"queue={qid}" in data["message"] and "outcome=delivered" in data["message"]
     assert re.match(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", data["time"])
     assert LogSettings(json_format=True).json_format  # the switch that selects this format
+
+
+async def test_attempt_log_line_names_the_host_tried(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A smarthost that does not answer: the recipient is deferred with ``451 4.4.1`` "No
+    answer from the smarthost" (its host:port in the text, RFC 3463 §3.5), and the attempt's
+    log line names the relay tried (``mx=relay.example.test``). An attempt that reached no
+    host (SERVFAIL on the MX lookup, MX routing) logs ``mx=-``, never ``mx=None``."""
+    h = queue_harness
+    relay_address = "127.0.2.39"  # on the harness's MX port, but nothing listens there
+    h.dns.add(f"relay.example.test. 300 IN A {relay_address}\nservfail.example.test. MX SERVFAIL\n")
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+
+    def deferred_lines(queue_id: str) -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if getattr(r, "queue_id", None) == queue_id
+            and getattr(r, "outcome", None) == "deferred"
+        ]
+
+    h.configure(worker={"smarthost": SmarthostSettings(host="relay.example.test", port=h.mx_port)})
+    relayed = await h.submit(MESSAGE, [RCPT])
+    async with h.running():
+        await eventually(lambda: bool(deferred_lines(relayed)), what="deferred via the relay")
+    entry = await h.entry(relayed)
+    assert entry is not None
+    reply = entry.recipients[0].last_reply
+    assert reply is not None and (reply.code, reply.enhanced) == (451, "4.4.1")
+    assert reply.text.startswith("No answer from the smarthost (")
+    assert f"relay.example.test [{relay_address}]:{h.mx_port}" in reply.text
+    line = deferred_lines(relayed)[0]
+    assert " mx=relay.example.test " in line.getMessage()
+    assert getattr(line, "mx", None) == "relay.example.test"
+
+    h.configure(worker={"smarthost": None})
+    unreached = await h.submit(MESSAGE, ["user@servfail.example.test"])
+    async with h.running():
+        await eventually(lambda: bool(deferred_lines(unreached)), what="deferred, DNS failure")
+    line = deferred_lines(unreached)[0]
+    assert " mx=- " in line.getMessage() and "mx=None" not in line.getMessage()
+    assert "4.4.3" in line.getMessage()
+
+
+@pytest.mark.parametrize("inline_max", [0, 1024], ids=["inline off", "inline on"])
+async def test_accepted_bodies_counted_by_layout(queue_harness: Harness, inline_max: int) -> None:
+    """``jsqueue_accepted_bodies_total{layout}`` counts where the front end stored each
+    accepted body: ``inline`` in its KV entry (``smtp.inline_body_max``) or ``object_store``.
+    Both labels are exported as 0 before the first message; a body over the inline limit goes
+    to the object store even with the setting on."""
+    h = queue_harness
+    h.settings.smtp.inline_body_max = inline_max
+    metrics = Metrics()
+
+    def count(layout: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "jsqueue_accepted_bodies_total", {"layout": layout}
+        )
+
+    assert (count("inline"), count("object_store")) == (0, 0)
+    h.frontend = SmtpServer(h.settings.smtp, h.stores, metrics)
+    await h.frontend.start()
+    small = await h.submit(MESSAGE, [RCPT])
+    large = await h.submit(MESSAGE + (b"z" * 78 + b"\r\n") * 40, [RCPT])  # 3.3 KB
+    layouts = {}
+    for qid in (small, large):
+        entry = await h.entry(qid)
+        assert entry is not None
+        layouts[qid] = "inline" if entry.inline_body is not None else "object_store"
+    assert layouts == {small: "inline" if inline_max else "object_store", large: "object_store"}
+    assert count("inline") == (1 if inline_max else 0)
+    assert count("object_store") == (1 if inline_max else 2)
+    assert metrics.registry.get_sample_value("jsqueue_messages_accepted_total") == 2
 
 
 def test_depth_gauge_covers_every_state() -> None:

@@ -792,6 +792,37 @@ async def test_smarthost_auth_after_starttls(certs: Certs) -> None:
         assert len(mx.delivered) == 1
 
 
+async def test_smarthost_connect_failure_names_the_smarthost() -> None:
+    """RFC 3463 §3.5 (X.4.1, no answer from host): a smarthost that refuses the connection
+    defers every recipient with ``451 4.4.1`` naming the smarthost and its host:port, not
+    "any mail exchanger of the domain"; an MX target keeps the MX wording. Both results
+    name the host that was tried."""
+    dead = "127.0.2.89"  # nothing listens there: the connection is refused
+    port = shared_port([dead])
+    body = unopenable(10)
+    rcpt = "bob@far.example.test"
+    relay_settings = settings_for(
+        port, smarthost=SmarthostSettings(host="relay.example.test", port=port)
+    )
+    relay = [MxTarget(host="relay.example.test", address=dead, port=port, relay=True)]
+    via_relay = await deliver(relay, envelope(rcpt), body, relay_settings)
+    reply = via_relay.replies[rcpt]
+    assert (reply.code, reply.enhanced, reply.remote_host) == (451, "4.4.1", None)
+    assert reply.text.startswith("No answer from the smarthost (")
+    assert f"relay.example.test [{dead}]:{port}" in reply.text
+    assert "mail exchanger" not in reply.text
+    assert via_relay.mx_host is None and via_relay.tried_host == "relay.example.test"
+
+    via_mx = await deliver(
+        target("mx.far.example.test", dead), envelope(rcpt), body, settings_for(port)
+    )
+    reply = via_mx.replies[rcpt]
+    assert (reply.code, reply.enhanced) == (451, "4.4.1")
+    assert reply.text.startswith("No answer from any mail exchanger of the domain (")
+    assert f"mx.far.example.test [{dead}]:{port}" in reply.text
+    assert via_mx.tried_host == "mx.far.example.test"
+
+
 # --- a big message, streamed --------------------------------------------------------------
 
 BIG_SIZE = 25 * 1024 * 1024

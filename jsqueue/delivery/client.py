@@ -43,7 +43,11 @@ Session, per target in order (RFC 5321 §3, §5.1):
 
 Smarthost targets (``MxTarget.relay``) get ``AUTH`` with ``worker.smarthost`` credentials,
 only over TLS or to a loopback address; an AUTH failure defers (``451 4.7.8``), it never
-bounces.
+bounces. Synthesised failures of the hop to a smarthost name the smarthost, not the
+destination's mail exchangers: ``451 4.4.1 No answer from the smarthost (relay
+[address]:port: ...)`` instead of ``No answer from any mail exchanger of the domain``, and
+likewise for a lost connection and a timeout (``4.4.2``); the enhanced codes are the same
+(RFC 3463 §3.5).
 
 Moving on to the next target: connection failure, timeout, TLS failure (per policy),
 a malformed reply, a non-220 greeting, EHLO/HELO refusal, and 421 anywhere before a
@@ -89,6 +93,9 @@ from jsqueue.replies import (
     R451_CONNECT_FAILED,
     R451_CONNECTION_LOST,
     R451_PROTOCOL_ERROR,
+    R451_SMARTHOST_CONNECT_FAILED,
+    R451_SMARTHOST_CONNECTION_LOST,
+    R451_SMARTHOST_TIMEOUT,
     R451_TIMEOUT,
     R451_TLS_REQUIRED,
     R501_BAD_FORWARD_PATH,
@@ -192,6 +199,9 @@ class DeliveryResult:
         mx_host: host name of the MX whose replies these are; None when no session got as
             far as MAIL (every reply synthesised).
         mx_address: the address connected to, or None.
+        tried_host: host name (``MxTarget.host``: MX, implicit MX, address literal or
+            smarthost) of the last target a connection was tried to, whether or not it
+            answered; None when none was tried (DNS failure, no target). For logs.
         tls: the transaction ran over TLS.
         tls_version: e.g. ``"TLSv1.3"`` when ``tls``.
         dsn: the server advertised DSN, so NOTIFY/ORCPT/RET/ENVID were passed on (else a
@@ -202,6 +212,7 @@ class DeliveryResult:
     replies: dict[str, Reply]
     mx_host: str | None = None
     mx_address: str | None = None
+    tried_host: str | None = None
     tls: bool = False
     tls_version: str | None = None
     dsn: bool = False
@@ -261,6 +272,9 @@ async def deliver(
 
     Returns:
         one reply per recipient address; never raises for network, protocol or TLS errors.
+        When every target failed, every recipient gets the last target's failure (e.g.
+        ``451 4.4.1``, worded for the smarthost when the target is one) and ``tried_host``
+        names that target.
     """
     recipients = list({r.address: r for r in envelope.recipients}.values())
     if not recipients:
@@ -288,7 +302,8 @@ async def deliver(
                 log.info("%s [%s]: %s; trying the next MX", target.host, target.address, e.reply)
                 last = e.reply
                 break
-    return DeliveryResult(replies={r.address: last for r in recipients})
+    tried = targets[-1].host
+    return DeliveryResult(replies={r.address: last for r in recipients}, tried_host=tried)
 
 
 # --------------------------------------------------------------------------------------
@@ -317,6 +332,24 @@ class _Failed(Exception):
 
 def _detail(base: Reply, detail: str) -> Reply:
     return base.model_copy(update={"text": f"{base.text} ({detail})"})
+
+
+#: MX-worded synthesised replies and their wording for the hop to the smarthost.
+_SMARTHOST_WORDING = (
+    (R451_CONNECT_FAILED, R451_SMARTHOST_CONNECT_FAILED),
+    (R451_CONNECTION_LOST, R451_SMARTHOST_CONNECTION_LOST),
+    (R451_TIMEOUT, R451_SMARTHOST_TIMEOUT),
+)
+
+
+def _hop_reply(base: Reply, relay: bool) -> Reply:
+    """``base`` worded for the hop: its smarthost variant when ``relay`` (the target is
+    ``worker.smarthost``) and one exists, else ``base`` itself. Codes never change."""
+    if relay:
+        for mx_worded, relay_worded in _SMARTHOST_WORDING:
+            if base == mx_worded:
+                return relay_worded
+    return base
 
 
 def _clean(text: str) -> str:
@@ -657,13 +690,22 @@ class _Session:
     # -- plumbing ------------------------------------------------------------------------
 
     def _where(self) -> str:
-        return f"{self.host} [{self.target.address}]"
+        """``host [address]`` for logs and reply texts; ``host [address]:port`` for a target
+        with its own port (the smarthost)."""
+        where = f"{self.host} [{self.target.address}]"
+        return where if self.target.port is None else f"{where}:{self.target.port}"
+
+    def _fail(self, base: Reply, detail: str) -> Reply:
+        """A synthesised failure of this hop: ``base`` (worded for the smarthost when the
+        target is one, see :func:`_hop_reply`) with ``detail`` appended."""
+        return _detail(_hop_reply(base, self.target.relay), detail)
 
     def _result(self, replies: dict[str, Reply]) -> DeliveryResult:
         return DeliveryResult(
             replies=replies,
             mx_host=self.host,
             mx_address=self.target.address,
+            tried_host=self.host,
             tls=self.tls,
             tls_version=self.tls_version,
             dsn=self.dsn,
@@ -675,18 +717,18 @@ class _Session:
         if isinstance(exc, _Failed):
             return exc
         if isinstance(exc, TimeoutError | aiosmtplib.SMTPTimeoutError):
-            return _Failed(_detail(R451_TIMEOUT, f"{where}: {stage}: timed out"))
+            return _Failed(self._fail(R451_TIMEOUT, f"{where}: {stage}: timed out"))
         if isinstance(exc, aiosmtplib.SMTPServerDisconnected | ConnectionError):
-            return _Failed(_detail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc}"))
+            return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc}"))
         if isinstance(exc, ssl.SSLError):
-            return _Failed(_detail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
+            return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
         if isinstance(exc, aiosmtplib.SMTPResponseException):
             if exc.code < 0:  # aiosmtplib could not parse the reply (e.g. CASE-19 variant M)
                 return _Failed(_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
             return _Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
         if isinstance(exc, aiosmtplib.SMTPException | ValueError):
             return _Failed(_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc}"))
-        return _Failed(_detail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc!r}"))
+        return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc!r}"))
 
     async def _command(
         self, stage: str, timeout_s: float, *args: bytes, intermediate_ok: bool = False
@@ -708,7 +750,7 @@ class _Session:
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as e:
-            raise _NextMx(_detail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
+            raise _NextMx(self._fail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
         try:
             sock.setblocking(False)
             # asyncio only disables Nagle itself for sockets made with proto=IPPROTO_TCP.
@@ -720,7 +762,8 @@ class _Session:
         except (OSError, TimeoutError) as e:
             sock.close()
             reason = "timed out" if isinstance(e, TimeoutError) else str(e)
-            raise _NextMx(_detail(R451_CONNECT_FAILED, f"{self._where()}:{port}: {reason}")) from e
+            where = f"{self.host} [{address}]:{port}"
+            raise _NextMx(self._fail(R451_CONNECT_FAILED, f"{where}: {reason}")) from e
         try:
             self.smtp = aiosmtplib.SMTP(
                 sock=sock,
@@ -731,7 +774,7 @@ class _Session:
             )
         except ValueError as e:  # e.g. an EHLO name with white space
             sock.close()
-            raise _NextMx(_detail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
+            raise _NextMx(self._fail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
         try:
             greeting = await self.smtp.connect()
         except aiosmtplib.SMTPConnectResponseError as e:
@@ -746,7 +789,7 @@ class _Session:
         """A session-level refusal (greeting, EHLO) is retried later, never a bounce."""
         if reply.is_temporary:
             return reply
-        return _detail(
+        return self._fail(
             R451_CONNECT_FAILED, f"{self._where()} refused the session at {stage}: {reply}"
         )
 
@@ -819,7 +862,7 @@ class _Session:
             if e.code == 421 or required or not self.smtp.is_connected:
                 reason = f"STARTTLS refused: {e.code} {e.message}"
                 base = R451_TLS_REQUIRED if required else R451_CONNECTION_LOST
-                raise _NextMx(_detail(base, f"{self._where()}: {reason}")) from e
+                raise _NextMx(self._fail(base, f"{self._where()}: {reason}")) from e
             log.warning(
                 "%s: STARTTLS refused (%s %s); continuing in plaintext",
                 self._where(),
