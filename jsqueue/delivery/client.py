@@ -1101,6 +1101,7 @@ class _Session:
         protocol = self.smtp.protocol
         stuffer = DotStuffer()
         iterator = body.open()
+        held = b""  # the latest stuffed chunk: the last one goes out with the terminator
         try:
             while True:
                 try:
@@ -1112,15 +1113,17 @@ class _Session:
                     self._abort()
                     return accepted_get(_detail(R451_BODY_UNAVAILABLE, repr(e)))
                 out = stuffer.feed(chunk)
-                if out:
-                    protocol.write(out)
+                if out and held:
+                    protocol.write(held)
                     async with asyncio.timeout(s.data_block_timeout_s):
                         # FlowControlMixin's drain (aiosmtplib has no public drain): waits
                         # while the transport's write buffer is above its high-water mark.
                         await protocol._drain_helper()
-            # The terminator is written and the reply awaited with no await in between, so
-            # the reply cannot arrive before aiosmtplib expects it.
-            protocol.write(stuffer.finish())
+                held = out or held
+            # The terminator is written (in one write with the last chunk: one system call
+            # for a small message) and the reply awaited with no await in between, so the
+            # reply cannot arrive before aiosmtplib expects it.
+            protocol.write(held + stuffer.finish())
             response = await protocol.read_response(timeout=s.data_final_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             self._abort()
