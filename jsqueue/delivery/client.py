@@ -283,7 +283,7 @@ async def deliver(
         reply = _detail(R451_CONNECT_FAILED, "no mail exchanger to try")
         return DeliveryResult(replies={r.address: reply for r in recipients})
     body_cache = _BodyCache(body)
-    last = _detail(R451_CONNECT_FAILED, "no mail exchanger answered")
+    last: Reply | None = None  # every target that did not return set it
     for target in targets:
         allow_tls = True
         while True:
@@ -302,8 +302,9 @@ async def deliver(
                 log.info("%s [%s]: %s; trying the next MX", target.host, target.address, e.reply)
                 last = e.reply
                 break
+    failed = last or _detail(R451_CONNECT_FAILED, "no mail exchanger answered")
     tried = targets[-1].host
-    return DeliveryResult(replies={r.address: last for r in recipients}, tried_host=tried)
+    return DeliveryResult(replies={r.address: failed for r in recipients}, tried_host=tried)
 
 
 # --------------------------------------------------------------------------------------
