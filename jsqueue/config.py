@@ -13,7 +13,7 @@ import os
 import re
 import tomllib
 from enum import StrEnum
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Network, IPv6Network, ip_address
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -84,6 +84,40 @@ def _int_text(value: object) -> object:
 
 Replicas = Annotated[Literal[1, 3], BeforeValidator(_int_text)]
 
+#: A host name label: letters, digits, hyphens (RFC 1123 §2.1), and the underscore some
+#: private name services use (e.g. container names).
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _host(value: object) -> object:
+    """A host name (RFC 1123 §2.1: LDH labels, not dotted-decimal) or an IP address without
+    brackets; anything else (empty, ``host:port``, ``[addr]``, a URL) is refused here
+    rather than found at the first connection or bind."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        ip_address(text)
+    except ValueError:
+        pass
+    else:
+        return text
+    labels = text.rstrip(".").split(".")
+    numeric = all(label.isdigit() for label in labels)
+    if not text or len(text) > 253 or numeric or not all(map(_LABEL.fullmatch, labels)):
+        hint = (
+            "; a host, not a URL"
+            if "://" in text
+            else "; the port is a setting of its own"
+            if ":" in text
+            else ""
+        )
+        raise ValueError(f"not a host name or IP address: {value!r}{hint}")
+    return text
+
+
+Host = Annotated[str, BeforeValidator(_host)]
+
 
 class NatsSettings(_Section):
     """Where the queue lives."""
@@ -122,7 +156,7 @@ def _loopback_networks() -> list[IPv4Network | IPv6Network]:
 class SmtpSettings(_Section):
     """The SMTP front end."""
 
-    host: str = Field("127.0.0.1", description="listen address")
+    host: Host = Field("127.0.0.1", description="listen address")
     port: int = Field(2525, ge=0, le=65535, description="listen port")
     hostname: str = Field("localhost", description="name in the greeting and Received:")
     max_message_size: int = Field(50_000_000, ge=1024, description="SIZE limit, octets")
@@ -154,7 +188,7 @@ class SmtpSettings(_Section):
 class SmarthostSettings(_Section):
     """Send everything through one relay instead of MX lookup."""
 
-    host: str = Field(description="relay host name or address (required)")
+    host: Host = Field(description="relay host name or address (required)")
     port: int = Field(25, ge=1, le=65535, description="relay TCP port")
     username: str | None = Field(None, description="AUTH user name; no AUTH when unset")
     password: SecretStr | None = Field(None, description="AUTH password (secret)")
@@ -248,7 +282,7 @@ class ReconcilerSettings(_Section):
 class HttpSettings(_Section):
     """Metrics and health endpoints."""
 
-    host: str = Field("127.0.0.1", description="listen address of /metrics, /healthz, /readyz")
+    host: Host = Field("127.0.0.1", description="listen address of /metrics, /healthz, /readyz")
     port: int = Field(9125, ge=0, le=65535, description="listen port (0 = any)")
     enabled: bool = Field(True, description="serve the HTTP endpoint")
     probe_interval_s: float = Field(

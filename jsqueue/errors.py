@@ -37,6 +37,11 @@ class ConfigError(JsqueueError):
     """A setting is missing or invalid; the message names the setting and the reason."""
 
 
+class ListenError(JsqueueError, OSError):
+    """A listener could not bind its address; the message names the settings to change
+    (e.g. ``http.host/http.port: cannot listen on 127.0.0.1:9125: address already in use``)."""
+
+
 class InvalidName(JsqueueError, ValueError):
     """A queue id, domain or key token contains characters a NATS subject or KV key cannot hold."""
 
@@ -100,3 +105,9 @@ class TemporaryDeliveryError(DeliveryError):
 
 class PermanentDeliveryError(DeliveryError):
     """A 5xx-class failure: the recipient is bounced, never retried (RFC 5321 §4.2.1)."""
+
+
+def listen_error(section: str, host: str, port: int, error: OSError) -> ListenError:
+    """The :class:`ListenError` for ``section``'s listener on ``host:port``."""
+    reason = error.strerror or str(error)
+    return ListenError(f"{section}.host/{section}.port: cannot listen on {host}:{port}: {reason}")

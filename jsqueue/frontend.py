@@ -87,7 +87,7 @@ from aiosmtpd.smtp import SMTP, Envelope, syntax
 
 from jsqueue.config import SmtpSettings
 from jsqueue.envelope import Entry, Recipient, routing_domain, utcnow
-from jsqueue.errors import ConfigError, EntryNotFound, InvalidName, JsqueueError
+from jsqueue.errors import ConfigError, EntryNotFound, InvalidName, JsqueueError, listen_error
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.frontend_auth import UserDB
 from jsqueue.frontend_data import DataDecoder
@@ -1163,15 +1163,18 @@ class SmtpServer:
         """Listen on ``settings.host:settings.port``.
 
         Raises:
-            OSError: the address cannot be bound.
+            ListenError: the address cannot be bound (names ``smtp.host``/``smtp.port``).
         """
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Session(self),
-            host=self.settings.host,
-            port=self.settings.port,
-            reuse_address=True,
-        )
+        try:
+            self._server = await loop.create_server(
+                lambda: _Session(self),
+                host=self.settings.host,
+                port=self.settings.port,
+                reuse_address=True,
+            )
+        except OSError as e:
+            raise listen_error("smtp", self.settings.host, self.settings.port, e) from e
         log.info("SMTP front end listening on %s:%d", *self.address)
 
     def close(self) -> None:

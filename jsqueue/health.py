@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jsqueue.config import HttpSettings, Settings
+from jsqueue.errors import listen_error
 from jsqueue.events import Fanout, Observer, open_publisher
 from jsqueue.metrics import Metrics, QueueProbe
 from jsqueue.store.base import Stores
@@ -90,11 +91,14 @@ class HttpServer:
         """Listen on ``settings.host:settings.port``.
 
         Raises:
-            OSError: the address cannot be bound.
+            ListenError: the address cannot be bound (names ``http.host``/``http.port``).
         """
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
-        await self._site.start()
+        try:
+            await self._site.start()
+        except OSError as e:
+            raise listen_error("http", self.settings.host, self.settings.port, e) from e
         log.info("HTTP endpoint on http://%s:%d/metrics", *self.address)
 
     @property

@@ -25,7 +25,9 @@ jsqueue_state_changes_total{kind}          counter    every event this process e
 jsqueue_events_published_total             counter    events the events stream acknowledged
 jsqueue_events_dropped_total               counter    events dropped (buffer full, closing)
 jsqueue_events_failed_total                counter    events whose publish failed
-jsqueue_queue_entries{state}               gauge      entries by derived state (periodic scan)
+jsqueue_queue_entries{state}               gauge      entries by derived state (periodic scan);
+                                                      ``done`` are kept DSN records, not
+                                                      queued mail (``queue stats``: kept)
 jsqueue_queue_scan_duration_seconds        gauge      how long the last depth scan took
 jsqueue_queue_scan_timestamp_seconds       gauge      Unix time of the last depth scan
 jsqueue_work_backlog_items                 gauge      work items scheduled and not settled (due,
@@ -131,7 +133,10 @@ class Metrics:
             registry=r,
         )
         self.queue_entries = Gauge(
-            "jsqueue_queue_entries", "Queue entries by derived state.", ["state"], registry=r
+            "jsqueue_queue_entries",
+            "Queue entries by derived state (done: kept DSN records, not queued mail).",
+            ["state"],
+            registry=r,
         )
         self.scan_duration = Gauge(
             "jsqueue_queue_scan_duration_seconds",

@@ -67,6 +67,7 @@ R451_EXPIRED = _r(451, "4.4.7", "Message expired in the queue")
 R451_SMARTHOST_CONNECT_FAILED = _r(451, "4.4.1", "No answer from the smarthost")
 R451_SMARTHOST_CONNECTION_LOST = _r(451, "4.4.2", "Connection to the smarthost was lost")
 R451_SMARTHOST_TIMEOUT = _r(451, "4.4.2", "Timed out waiting for the smarthost")
+R451_SMARTHOST_DNS = _r(451, "4.4.3", "Temporary DNS failure looking up the smarthost")
 
 # Operator actions (jsqueue/admin.py): a 5yz so the DSN reports a failure, not an expiry
 R550_BOUNCED_BY_POSTMASTER = _r(550, "5.7.1", "Message bounced by the postmaster")

@@ -202,19 +202,22 @@ async def run_services(
         stack.push_async_callback(stores.close)
         tel = await stack.enter_async_context(telemetry(settings, stores, urls))
         tasks: list[asyncio.Task[None]] = []
+        owner = "-"
         if smtp:
             server = await serve_smtp(settings.smtp, stores, tel.observer)
             stack.push_async_callback(server.stop)
             tel.health.set("smtp", True)
         if worker:
             w = build_worker(settings, stores, observer=tel.observer)
+            owner = w.owner
             tasks.append(asyncio.create_task(w.run(stop)))
             tel.health.set("worker", True)
         if worker and settings.reconciler.enabled:
             reconciler = await open_reconciler(settings, urls)
             stack.push_async_callback(reconciler.close)
             tasks.append(asyncio.create_task(reconciler.run(stop)))
-        log.info("jsqueue running (smtp=%s, worker=%s)", smtp, worker)
+        # The worker's name is the owner of its leases (``queue show``, ``queue flush``).
+        log.info("jsqueue running (smtp=%s, worker=%s, lease owner=%s)", smtp, worker, owner)
         await stop.wait()
         log.info("jsqueue shutting down")
         tel.health.stopping()

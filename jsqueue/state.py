@@ -121,6 +121,26 @@ def claim(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) 
     return new
 
 
+def renewed(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) -> Entry | None:
+    """``entry`` with ``owner``'s lease on ``domain`` extended to ``now + lease_s``, once at
+    most half of ``lease_s`` is left (DESIGN.md §2.3: a live worker's lease never runs out,
+    so nothing that takes over expired leases, a flush or another worker's claim, can start
+    a second transaction beside a slow one). Pure.
+
+    Returns:
+        the new entry (the caller writes it by compare-and-set); None when the lease is not
+        ``owner``'s (released, taken over) or more than half of ``lease_s`` is left.
+    """
+    lease = entry.leases.get(domain)
+    if lease is None or lease.owner != owner:
+        return None
+    if (lease.until - now).total_seconds() > lease_s / 2:
+        return None
+    new = _copy(entry)
+    new.leases[domain] = Lease(owner=owner, until=now + timedelta(seconds=lease_s))
+    return new
+
+
 def release(entry: Entry, domain: str) -> Entry:
     """Give the lease on ``domain`` back without an outcome (drain): recipients become due.
 

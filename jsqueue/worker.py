@@ -68,6 +68,14 @@ class Attempt:
     host: str | None = None
 
 
+@dataclass(slots=True)
+class _Held:
+    """The latest version of an entry whose destination this worker holds the lease on,
+    while it delivers: :meth:`Worker._heartbeat` renews the lease on it."""
+
+    version: Versioned
+
+
 class Deliverer(Protocol):
     """Delivers one entry's open recipients of one destination domain (one attempt)."""
 
@@ -278,7 +286,8 @@ class Worker:
         entry = claimed.entry
         recipients = entry.open_recipients(item.domain)
         started = self.clock()
-        heartbeat = asyncio.create_task(self._heartbeat(due))
+        held = _Held(claimed)
+        heartbeat = asyncio.create_task(self._heartbeat(due, held))
         try:
             delivery = await self.deliverer.deliver(
                 entry,
@@ -288,9 +297,9 @@ class Worker:
             )
         finally:
             heartbeat.cancel()
-        # First try on the claimed version (no re-read): a change since the claim fails
-        # the compare-and-set, and only then is the entry read again.
-        v: Versioned | None = claimed
+        # First try on the claimed (or renewed) version, no re-read: a change since then
+        # fails the compare-and-set, and only then is the entry read again.
+        v: Versioned | None = held.version
         removed = False
         for attempt in range(RECORD_TRIES):
             if attempt:
@@ -414,13 +423,37 @@ class Worker:
         """Final, not a DSN (those stay, see :meth:`_finish`) and owing no DSN."""
         return entry.is_final and not entry.is_dsn and not self.notifier.owes(entry, now)
 
-    async def _heartbeat(self, due: Due) -> None:
-        """Keep the work item alive during long SMTP sessions (in-progress acks)."""
-        interval = max(0.5, self.ack_wait_s / 3)
+    async def _heartbeat(self, due: Due, held: _Held) -> None:
+        """During a long SMTP session, keep the work item alive (in-progress acks) and the
+        lease on the destination: renewed by compare-and-set once half of ``lease_s`` has
+        run (:func:`state.renewed`), so that it never runs out under a live worker and no
+        flush, reconciler or other worker starts a second transaction beside this one
+        (DESIGN.md §2.3). A failed beat (NATS unavailable) is tried again at the next."""
+        interval = max(0.5, min(self.ack_wait_s, self.settings.lease_s) / 3)
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(StoreUnavailable):  # the next beat tries again
+            with contextlib.suppress(StoreUnavailable):
                 await due.in_progress()
+            with contextlib.suppress(StoreUnavailable):
+                await self._renew(due.item.domain, held)
+
+    async def _renew(self, domain: str, held: _Held) -> None:
+        """Renew our lease on ``domain`` in ``held`` when due; after a lost compare-and-set
+        (an admin change, a DSN mark) the entry is read again and renewed at the next beat.
+
+        Raises:
+            StoreUnavailable.
+        """
+        entry = held.version.entry
+        renewed = state.renewed(entry, domain, self.owner, self.clock(), self.settings.lease_s)
+        if renewed is None:
+            return
+        try:
+            held.version = await self._update(renewed, held.version.revision)
+        except RevisionConflict:
+            fresh = await self._get(entry.id)
+            if fresh is not None:
+                held.version = fresh
 
     async def _finish(self, v: Versioned) -> None:
         """Send owed DSNs of a settled entry; delete a final entry and its body."""

@@ -9,9 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from test_cli import cli_env, jsqueue
 
-from jsqueue.config import Settings, load_settings, setting_paths, settings_reference
+from jsqueue.config import (
+    HttpSettings,
+    Settings,
+    SmarthostSettings,
+    SmtpSettings,
+    load_settings,
+    setting_paths,
+    settings_reference,
+)
 from jsqueue.errors import ConfigError
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -88,6 +97,15 @@ INVALID = [
     pytest.param(
         {}, "[smtp]\ninline_body_max = true\n", r"smtp\.inline_body_max: .*true/false", id="bool"
     ),
+    pytest.param(
+        {"JSQUEUE_WORKER__SMARTHOST__HOST": "[127.0.0.1]:2600"},
+        None,
+        r"worker\.smarthost\.host: .*not a host name or IP address.*port is a setting",
+        id="host-port",
+    ),
+    pytest.param(
+        {}, '[http]\nhost = ""\n', r"http\.host: .*not a host name or IP address", id="empty-host"
+    ),
     pytest.param({}, "[worker\nmx_port = \n", r"config file .*jsqueue\.toml: ", id="toml-bad"),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
 ]
@@ -126,3 +144,36 @@ def test_load_settings_errors_in_process(tmp_path: Path, monkeypatch: pytest.Mon
     good.write_text("[http]\nport = 0\nqueue_depth_interval_s = 0\n")
     settings = load_settings(good)
     assert settings.http.port == 0 and settings.http.queue_depth_interval_s == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("relay.example.test", True),
+        ("relay", True),
+        ("mail_relay", True),  # not RFC 1123, but container names have it
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("", False),
+        ("127.0.0.1:2600", False),
+        ("[::1]", False),
+        ("smtp://relay.example.test", False),
+        ("999.1.1.1", False),  # RFC 1123 §2.1: never dotted-decimal unless an address
+        ("-relay.example.test", False),
+        ("relay example.test", False),
+    ],
+)
+def test_host_settings_take_a_name_or_an_address(value: str, ok: bool) -> None:
+    """``smtp.host``, ``http.host`` and ``worker.smarthost.host`` take a host name or an IP
+    address, so that ``host:port``, a URL or an empty value fails at start, naming the
+    setting, instead of at the first connection (or binding every interface)."""
+    for model, values in (
+        (SmarthostSettings, {"host": value}),
+        (HttpSettings, {"host": value}),
+        (SmtpSettings, {"host": value}),
+    ):
+        if ok:
+            assert model.model_validate(values).host == value
+        else:
+            with pytest.raises(ValidationError, match="not a host name or IP address"):
+                model.model_validate(values)

@@ -14,8 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at, store_all
 
-from jsqueue.config import HttpSettings, LogSettings, NatsSettings, SmarthostSettings
+from jsqueue.config import HttpSettings, LogSettings, NatsSettings, SmarthostSettings, SmtpSettings
 from jsqueue.envelope import EntryState, RecipientState
+from jsqueue.errors import ListenError
 from jsqueue.frontend import SmtpServer
 from jsqueue.health import Health, HttpServer
 from jsqueue.logs import JsonFormatter
@@ -293,3 +294,22 @@ def test_depth_gauge_covers_every_state() -> None:
         for s in EntryState
     }
     assert got[EntryState.PENDING] == 0 and got[EntryState.DEFERRED] == 2
+
+
+async def test_a_port_in_use_names_the_settings(mem_stores: Stores) -> None:
+    """A listener that cannot bind says which settings to change (``http.host/http.port``,
+    ``smtp.host/smtp.port``) instead of a bare errno, in one line (the CLI prints it)."""
+    blocker = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = blocker.sockets[0].getsockname()[1]
+    try:
+        http = HttpServer(HttpSettings(port=port), Metrics(), Health())
+        where = rf"cannot listen on 127\.0\.0\.1:{port}: "
+        with pytest.raises(ListenError, match=rf"^http\.host/http\.port: {where}"):
+            await http.start()
+        await http.stop()
+        smtp = SmtpServer(SmtpSettings(port=port), mem_stores)
+        with pytest.raises(ListenError, match=rf"^smtp\.host/smtp\.port: {where}"):
+            await smtp.start()
+    finally:
+        blocker.close()
+        await blocker.wait_closed()

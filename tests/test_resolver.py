@@ -260,7 +260,13 @@ async def test_smarthost_and_static_resolvers(dns: DnsServer) -> None:
         MxTarget(host="relay.example.test", address="127.0.2.98", port=587, relay=True)
     ]
     missing = SmarthostResolver(SmarthostSettings(host="nx.example.test"), dns=resolver_for(dns))
-    with pytest.raises(TemporaryDeliveryError):
+    with pytest.raises(TemporaryDeliveryError) as failed:
         await missing.resolve("dest.example.test")
+    # RFC 3463 §3.5: deferred (never bounced), and the reply blames the relay's name, not
+    # the recipient domain's DNS.
+    reply = failed.value.reply
+    assert (reply.code, reply.enhanced) == (451, "4.4.3")
+    assert reply.text.startswith("Temporary DNS failure looking up the smarthost: nx.example.test")
+    assert "recipient domain" not in reply.text
     fixed = [MxTarget(host="h", address="127.0.2.1")]
     assert await StaticResolver(fixed).resolve("x.test") == fixed

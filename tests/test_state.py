@@ -18,6 +18,7 @@ from jsqueue.state import (
     expire_all,
     record,
     release,
+    renewed,
     settled,
 )
 from jsqueue.store.base import WorkItem
@@ -69,6 +70,25 @@ def test_lease_of_another_worker_defers_until_it_ends() -> None:
     released = release(claimed, "mixed.example.test")
     assert released.recipients[0].state is RecipientState.PENDING
     assert "mixed.example.test" not in released.leases
+
+
+def test_own_lease_is_renewed_from_half_time() -> None:
+    """DESIGN.md §2.3: the holder renews its lease once half of it has run, so it never
+    runs out under a live worker; a lease of another owner, or none, is left alone."""
+    domain = "mixed.example.test"
+    claimed = claim(make_entry(f"a@{domain}"), domain, "w1", T0, lease_s=30)
+    assert renewed(claimed, domain, "w1", T0 + timedelta(seconds=14), 30) is None
+    later = T0 + timedelta(seconds=15)
+    new = renewed(claimed, domain, "w1", later, 30)
+    assert new is not None and new.leases[domain] == Lease(
+        owner="w1", until=later + timedelta(seconds=30)
+    )
+    assert claimed.leases[domain].until == T0 + timedelta(seconds=30)  # the input is untouched
+    assert new.recipients == claimed.recipients
+    late = T0 + timedelta(seconds=45)  # run out, but nobody took it: still ours to renew
+    assert renewed(claimed, domain, "w1", late, 30) is not None
+    assert renewed(claimed, domain, "w2", later, 30) is None
+    assert renewed(release(claimed, domain), domain, "w1", later, 30) is None
 
 
 def test_mixed_replies_give_per_recipient_states() -> None:

@@ -7,13 +7,16 @@ Each test names the case of ``tests/cases`` or the RFC section it checks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import email
 import email.policy
+from datetime import timedelta
 from email.message import EmailMessage
 
 import pytest
 
+from jsqueue.admin import Admin, Outcome
 from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import new_queue_id
@@ -409,6 +412,41 @@ async def test_an_inline_body_leaves_an_entry_that_its_replies_make_too_large(
             await eventually(lambda: gone(h, qid), what="delivered later")
     [delivered] = mx.delivered
     assert split_body(delivered.content)[1] == message
+
+
+async def test_a_slow_delivery_keeps_its_lease_and_is_sent_once(queue_harness: Harness) -> None:
+    """DESIGN.md §2.3, RFC 5321 §4.5.3.2.6 (up to 10 minutes for the final reply): a server
+    slower to answer the end of data than ``worker.lease_s`` does not lose the destination
+    to a second attempt. The worker renews its lease while it waits, so a flush meanwhile
+    leaves the destination to it (it would take over an expired lease and send again) and
+    the server sees one transaction."""
+    h = queue_harness
+    h.configure(worker={"lease_s": 1.0})
+    domain = "slow.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.23"))
+    answer = asyncio.Event()
+    async with ScriptedMx("127.0.2.23", h.mx_port, hold=answer) as mx:
+        qid = await h.submit(b"Subject: slow\r\n\r\nbody\r\n", [f"u@{domain}"])
+        async with h.running():
+            await eventually(lambda: mx.held == 1, what="the end of data held by the server")
+            e = await h.entry(qid)
+            assert e is not None
+            first_until = e.leases[domain].until
+
+            async def renewed_past_first_end() -> bool:
+                e = await h.entry(qid)
+                lease = e.leases.get(domain) if e is not None else None
+                return lease is not None and lease.until > first_until + timedelta(seconds=1)
+
+            await eventually(renewed_past_first_end, what="the lease renewed twice")
+            flushed = await Admin(h.stores).flush(qid)
+            assert flushed.outcome is Outcome.UNCHANGED, flushed
+            assert "leased by" in flushed.detail
+            await eventually(renewed_past_first_end, what="the lease still held")
+            answer.set()
+            await eventually(lambda: gone(h, qid), what="delivered and removed")
+    assert mx.held == 1 and len(mx.delivered) == 1
+    assert [c.split(":")[0] for c in mx.commands].count("MAIL FROM") == 1
 
 
 async def test_multiline_replies_case19(queue_harness: Harness) -> None:

@@ -299,7 +299,13 @@ async def deliver(
                 )
                 allow_tls = False
             except _NextMx as e:
-                log.info("%s [%s]: %s; trying the next MX", target.host, target.address, e.reply)
+                log.info(
+                    "%s [%s]: %s; trying the next %s",
+                    target.host,
+                    target.address,
+                    e.reply,
+                    "address of the smarthost" if target.relay else "MX",
+                )
                 last = e.reply
                 break
     failed = last or _detail(R451_CONNECT_FAILED, "no mail exchanger answered")

@@ -42,6 +42,7 @@ from jsqueue.envelope import Reply
 from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
 from jsqueue.replies import (
     R451_DNS_TEMPFAIL,
+    R451_SMARTHOST_DNS,
     R550_MX_HOST_NOT_FOUND,
     R550_NO_SUCH_DOMAIN,
     R550_NULL_MX,
@@ -403,7 +404,8 @@ class SmarthostResolver:
         """The relay's addresses, whatever ``domain`` is.
 
         Raises:
-            TemporaryDeliveryError: the relay's name could not be resolved (``451 4.4.3``);
+            TemporaryDeliveryError: the relay's name could not be resolved (``451 4.4.3
+                Temporary DNS failure looking up the smarthost: <name> ...``, RFC 3463 §3.5);
                 a missing relay is a configuration problem, never a reason to bounce.
         """
         host = self._smarthost.host.strip().rstrip(".")
@@ -416,7 +418,8 @@ class SmarthostResolver:
             try:
                 addresses = await self._dns.lookup_addresses(host.lower())
             except (TemporaryDeliveryError, PermanentDeliveryError) as e:
-                raise TemporaryDeliveryError(e.reply) from e
+                detail = e.reply.text.partition(": ")[2] or e.reply.text
+                raise TemporaryDeliveryError(_reply(R451_SMARTHOST_DNS, detail)) from e
         else:
             loop = asyncio.get_running_loop()
             try:
@@ -424,14 +427,14 @@ class SmarthostResolver:
                     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except (OSError, TimeoutError) as e:
                 raise TemporaryDeliveryError(
-                    _reply(R451_DNS_TEMPFAIL, f"smarthost {host}: {e or 'timed out'}")
+                    _reply(R451_SMARTHOST_DNS, f"{host}: {e or 'timed out'}")
                 ) from e
             for info in infos:
                 address = str(info[4][0])
                 if address not in addresses:
                     addresses.append(address)
         if not addresses:
-            raise TemporaryDeliveryError(_reply(R451_DNS_TEMPFAIL, f"smarthost {host}: no address"))
+            raise TemporaryDeliveryError(_reply(R451_SMARTHOST_DNS, f"{host}: no address"))
         return [
             MxTarget(host=host, address=a, port=port, relay=True) for a in addresses[: self._max]
         ]

@@ -275,6 +275,9 @@ class ScriptedMx(_MxBase):
         hook: ``(session, line) -> reply | None``: called first for every command line;
             a non-None reply is sent instead of the scripted one (and the command is not
             otherwise processed).
+        hold: when set, the reply to the end of data waits until this event is set (a slow
+            server: the client sits in the final-reply wait, RFC 5321 §4.5.3.2.6); the
+            transaction counts in :attr:`held` meanwhile.
     """
 
     def __init__(
@@ -301,8 +304,11 @@ class ScriptedMx(_MxBase):
         read_limit: int = 4 * 1024 * 1024,
         max_line_length: int | None = None,
         hook: Callable[[Session, str], str | None] | None = None,
+        hold: asyncio.Event | None = None,
     ) -> None:
         super().__init__(host, port)
+        self.hold = hold
+        self.held = 0
         self.name = name
         self.greeting = greeting or f"220 {name} ESMTP"
         self.extensions = list(extensions)
@@ -429,6 +435,10 @@ class ScriptedMx(_MxBase):
                     if not self.data.startswith("354"):
                         continue
                     await self._read_data(reader, tx)
+                    if self.hold is not None:
+                        self.held += 1
+                        self._notify()
+                        await self.hold.wait()
                     if self.max_line_length is not None and tx.longest_line > self.max_line_length:
                         reply = "550 5.5.2 line too long"
                     elif callable(self.end_of_data):
