@@ -105,13 +105,16 @@ def _host(value: object) -> object:
     labels = text.rstrip(".").split(".")
     numeric = all(label.isdigit() for label in labels)
     if not text or len(text) > 253 or numeric or not all(map(_LABEL.fullmatch, labels)):
-        hint = (
-            "; a host, not a URL"
-            if "://" in text
-            else "; the port is a setting of its own"
-            if ":" in text
-            else ""
-        )
+        if "://" in text:
+            hint = "; a host, not a URL"
+        elif text.startswith("["):
+            hint = "; an address without brackets" + (
+                "; the port is a setting of its own" if "]:" in text else ""
+            )
+        elif ":" in text:
+            hint = "; the port is a setting of its own"
+        else:
+            hint = "" if text else " (empty)"
         raise ValueError(f"not a host name or IP address: {value!r}{hint}")
     return text
 

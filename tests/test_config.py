@@ -100,7 +100,7 @@ INVALID = [
     pytest.param(
         {"JSQUEUE_WORKER__SMARTHOST__HOST": "[127.0.0.1]:2600"},
         None,
-        r"worker\.smarthost\.host: .*not a host name or IP address.*port is a setting",
+        r"worker\.smarthost\.host: .*not a host name or IP address.*without brackets.*port is",
         id="host-port",
     ),
     pytest.param(
