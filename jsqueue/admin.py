@@ -996,7 +996,10 @@ def render_stats(s: QueueStats, top: int = 20) -> list[str]:
         if s.by_state.get(st):
             lines.append(f"  {st.value:<10}  {s.by_state[st]}")
     if s.kept:
-        lines.append(f"kept:         {s.kept} final records (DSN bookkeeping), not queued")
+        lines.append(
+            f"kept:         {s.kept} final records (DSN bookkeeping), not queued "
+            "(queue ls --state done)"
+        )
     if s.oldest_id is not None and s.oldest_age_s is not None:
         lines.append(f"oldest:       {s.oldest_id} ({human_age(s.oldest_age_s)} old)")
     lines.append(f"backlog:      {'unknown' if s.backlog is None else s.backlog} work items")

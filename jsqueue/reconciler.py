@@ -506,7 +506,8 @@ class Reconciler:
         except EntryNotFound:
             return
         subjects = await self.inventory.work_subjects(qid)
-        has_body = await self._has_body(qid)
+        # An inline body travels with the entry: no body store request for it.
+        has_body = current.entry.inline_body is not None or await self._has_body(qid)
         again = review(
             current.entry,
             work_subjects=subjects,

@@ -122,8 +122,8 @@ def claim(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) 
 
 
 def renewed(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) -> Entry | None:
-    """``entry`` with ``owner``'s lease on ``domain`` extended to ``now + lease_s``, once at
-    most half of ``lease_s`` is left (DESIGN.md §2.3: a live worker's lease never runs out,
+    """``entry`` with ``owner``'s lease on ``domain`` extended to ``now + lease_s`` (seconds),
+    once at most half of ``lease_s`` is left (DESIGN.md §2.3: a live worker's lease never runs out,
     so nothing that takes over expired leases, a flush or another worker's claim, can start
     a second transaction beside a slow one). Pure.
 

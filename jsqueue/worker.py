@@ -299,12 +299,8 @@ class Worker:
             heartbeat.cancel()
         # First try on the claimed (or renewed) version, no re-read: a change since then
         # fails the compare-and-set, and only then is the entry read again.
-        v: Versioned | None = held.version
         removed = False
-        for attempt in range(RECORD_TRIES):
-            if attempt:
-                await asyncio.sleep(self._pause(attempt))
-                v = await self._get(item.queue_id)
+        async for v in self._versions(held.version):
             if v is None:
                 log.info("queue %s: deleted during delivery", item.queue_id)
                 await due.ack()
@@ -378,13 +374,10 @@ class Worker:
         assert v.entry.inline_body is not None
         try:
             await self.stores.bodies.put(v.entry.id, one_chunk(v.entry.inline_body))
-            for attempt in range(RECORD_TRIES):
-                if attempt:
-                    await asyncio.sleep(self._pause(attempt))
-                    fresh = await self._get(v.entry.id)
-                    if fresh is None or fresh.entry.inline_body is None:
-                        return v  # removed, or moved by another writer meanwhile
-                    v = fresh
+            async for fresh in self._versions(v):
+                if fresh is None or fresh.entry.inline_body is None:
+                    return v  # removed, or moved by another writer meanwhile
+                v = fresh
                 moved = v.entry.model_copy(update={"inline_body": None})
                 try:
                     v = Versioned(moved, await self.stores.entries.update(moved, v.revision))
@@ -395,6 +388,16 @@ class Worker:
         except StoreUnavailable as e:
             log.info("queue %s: inline body kept (moving it out failed: %s)", v.entry.id, e)
         return v
+
+    async def _versions(self, v: Versioned) -> AsyncIterator[Versioned | None]:
+        """The versions to try a compare-and-set on: ``v``, then, each time the caller's
+        write lost and it asks again, the entry read anew (None once it is gone) after a
+        short random pause (:meth:`_pause`); :data:`RECORD_TRIES` in all. The caller stops
+        asking once its write went through."""
+        yield v
+        for attempt in range(1, RECORD_TRIES):
+            await asyncio.sleep(self._pause(attempt))
+            yield await self._get(v.entry.id)
 
     def _pause(self, attempt: int) -> float:
         """A random pause before compare-and-set try ``attempt`` (1, 2, ...), seconds: none

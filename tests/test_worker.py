@@ -47,6 +47,12 @@ async def gone(h: Harness, queue_id: str) -> bool:
     return await h.entry(queue_id) is None
 
 
+async def tried_once(h: Harness, queue_id: str) -> bool:
+    """The first recipient's first attempt has been recorded."""
+    e = await h.entry(queue_id)
+    return e is not None and e.recipients[0].attempts == 1
+
+
 def dsn_parts(raw: bytes) -> tuple[EmailMessage, list[EmailMessage]]:
     """Parse a DSN: the message and its per-recipient delivery-status groups."""
     msg = email.message_from_bytes(raw, policy=email.policy.default)
@@ -276,12 +282,7 @@ async def test_greylisting_case17(queue_harness: Harness, variant: str) -> None:
     ):
         qid = await h.submit(case_message("CASE-17"), ["user@grey.example.test"])
         async with h.running():
-
-            async def refused_once() -> bool:
-                e = await h.entry(qid)
-                return e is not None and e.recipients[0].attempts == 1
-
-            await eventually(refused_once, what="first refusal recorded")
+            await eventually(lambda: tried_once(h, qid), what="first refusal recorded")
             first = await h.entry(qid)
             assert first is not None
             r = first.recipients[0]
@@ -398,12 +399,7 @@ async def test_an_inline_body_leaves_an_entry_that_its_replies_make_too_large(
         submitted = await h.entry(qid)
         assert submitted is not None and submitted.inline_body is not None
         async with h.running():
-
-            async def recorded() -> bool:
-                e = await h.entry(qid)
-                return e is not None and e.recipients[0].attempts == 1
-
-            await eventually(recorded, what="the long reply recorded")
+            await eventually(lambda: tried_once(h, qid), what="the long reply recorded")
             e = await h.entry(qid)
             assert e is not None and e.inline_body is None
             assert e.recipients[0].last_reply is not None

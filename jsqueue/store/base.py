@@ -116,8 +116,8 @@ class EntryStore(Protocol):
     def max_value_size(self) -> int:
         """The largest stored form of an entry (:meth:`Entry.to_json`, inline body
         included) the store takes, octets; a larger one raises EntryTooLarge (a
-        StoreUnavailable). The front
-        end keeps a body inline only while its entry stays well below it."""
+        StoreUnavailable). The front end keeps a body inline only while its entry stays
+        well below it."""
         ...
 
     async def create(self, entry: Entry) -> int:
