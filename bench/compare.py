@@ -636,9 +636,9 @@ def summarize_profile(path: Path, top: int = 20) -> str:
 async def _populate(nats_url: str, count: int, domain: str) -> float:
     """Write ``count`` deferred entries (KV) and their work items (due in an hour)."""
     from jsqueue.config import NatsSettings
-    from jsqueue.envelope import Entry, Recipient, RecipientState, Reply, utcnow
+    from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem, utcnow
     from jsqueue.names import new_queue_id
-    from jsqueue.store.base import WorkItem
+    from jsqueue.replies import Reply
     from jsqueue.store.jetstream import open_jetstream
 
     stores = await open_jetstream(NatsSettings(), [nats_url])

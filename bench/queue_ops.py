@@ -34,9 +34,10 @@ from pathlib import Path
 
 from jsqueue.admin import Admin
 from jsqueue.config import NatsSettings
-from jsqueue.envelope import Entry, Recipient, RecipientState, Reply, utcnow
+from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.replies import Reply
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
 

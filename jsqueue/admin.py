@@ -58,8 +58,8 @@ from jsqueue.envelope import (
     EntryState,
     Lease,
     RecipientState,
-    Reply,
     UTCDateTime,
+    WorkItem,
     routing_domain,
     utcnow,
 )
@@ -80,8 +80,9 @@ from jsqueue.events import (
     recipient_event,
 )
 from jsqueue.names import check_queue_id
+from jsqueue.replies import Reply
 from jsqueue.state import release as release_lease
-from jsqueue.store.base import Stores, Versioned, WorkItem, open_entry_body
+from jsqueue.store.base import Stores, Versioned, open_entry_body
 
 #: Entries read per store request when scanning the whole queue (``EntryStore.page``).
 SCAN_PAGE = 10_000

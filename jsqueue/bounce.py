@@ -19,11 +19,11 @@ from datetime import datetime
 
 from jsqueue import dsn
 from jsqueue.config import DsnSettings
-from jsqueue.envelope import Entry, Recipient, RecipientState
+from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem
 from jsqueue.errors import EntryExists
 from jsqueue.names import derived_queue_id
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Stores, WorkItem, one_chunk, open_entry_body
+from jsqueue.store.base import Stores, one_chunk, open_entry_body
 
 log = logging.getLogger("jsqueue.bounce")
 

@@ -62,7 +62,8 @@ from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from enum import StrEnum
 
-from jsqueue.envelope import Entry, Notify, Recipient, RecipientState, Reply
+from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
+from jsqueue.replies import Reply
 
 DEFAULT_NOTIFY = frozenset({Notify.FAILURE, Notify.DELAY})
 """NOTIFY assumed when the client gave none (RFC 3461 §4.1)."""

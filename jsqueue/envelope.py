@@ -12,15 +12,17 @@ kept inline (:attr:`Entry.inline_body`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Literal
 
 import idna
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer
+from pydantic import AfterValidator, BaseModel, Field, field_serializer
 
 from jsqueue.errors import InvalidName
 from jsqueue.names import check_domain
+from jsqueue.replies import Reply
 
 
 def _utc(value: datetime) -> datetime:
@@ -81,42 +83,6 @@ class Notify(StrEnum):
     SUCCESS = "SUCCESS"
     FAILURE = "FAILURE"
     DELAY = "DELAY"
-
-
-class Reply(BaseModel):
-    """An SMTP reply: basic code, enhanced status code, text, and who sent it.
-
-    ``text`` keeps every line of a multi-line reply, joined with ``\\n`` (RFC 5321 §4.2.1).
-    ``remote_host`` is the MX host name (or address) that answered; None when jsqueue
-    synthesised the reply itself (DNS failure, timeout, expiry).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    code: int = Field(ge=200, le=599)
-    enhanced: str | None = None
-    text: str = ""
-    remote_host: str | None = None
-
-    @property
-    def is_permanent(self) -> bool:
-        """5yz: permanent negative completion (RFC 5321 §4.2.1)."""
-        return self.code >= 500
-
-    @property
-    def is_temporary(self) -> bool:
-        """4yz: transient negative completion (RFC 5321 §4.2.1)."""
-        return 400 <= self.code < 500
-
-    @property
-    def is_success(self) -> bool:
-        """2yz: positive completion (RFC 5321 §4.2.1)."""
-        return 200 <= self.code < 300
-
-    def __str__(self) -> str:
-        lines = self.text.split("\n") if self.text else [""]
-        prefix = f"{self.code} {self.enhanced} " if self.enhanced else f"{self.code} "
-        return " ".join(prefix + line if i == 0 else line for i, line in enumerate(lines)).strip()
 
 
 class Recipient(BaseModel):
@@ -284,3 +250,16 @@ def routing_domain(address: str) -> str:
     except idna.IDNAError as e:
         raise InvalidName(f"domain {domain!r} cannot be converted to an A-label") from e
     return check_domain(ascii_domain)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A trigger: deliver queue entry ``queue_id`` to destination ``domain``.
+
+    ``generation`` must equal the entry's generation when it arrives, otherwise the item is
+    stale (superseded by a flush) and is dropped (DESIGN.md §2.2).
+    """
+
+    queue_id: str
+    domain: str
+    generation: int = 0

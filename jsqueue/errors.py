@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jsqueue.envelope import Reply
+    from jsqueue.replies import Reply
 
 
 class JsqueueError(Exception):
@@ -54,7 +54,7 @@ class StoreUnavailable(StoreError):
     """NATS could not be reached, timed out, or refused the request (e.g. bucket full)."""
 
 
-class EntryTooLarge(StoreUnavailable):
+class EntryTooLarge(StoreError):
     """An entry's stored form is larger than the entry store takes (NATS's max_payload)."""
 
 

@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jsqueue.config import NatsSettings
-from jsqueue.envelope import Entry, Recipient, RecipientState, Reply, UTCDateTime, utcnow
+from jsqueue.envelope import Entry, Recipient, RecipientState, UTCDateTime, utcnow
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names
+from jsqueue.replies import Reply
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS

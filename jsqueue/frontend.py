@@ -86,7 +86,7 @@ from typing import Any, Literal
 from aiosmtpd.smtp import SMTP, Envelope, syntax
 
 from jsqueue.config import SmtpSettings
-from jsqueue.envelope import Entry, Recipient, routing_domain, utcnow
+from jsqueue.envelope import Entry, Recipient, WorkItem, routing_domain, utcnow
 from jsqueue.errors import ConfigError, EntryNotFound, InvalidName, JsqueueError, listen_error
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.frontend_auth import UserDB
@@ -129,7 +129,7 @@ from jsqueue.replies import (
     R554_RELAY_DENIED,
     R555_UNKNOWN_PARAMETER,
 )
-from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores, WorkItem, one_chunk
+from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores, one_chunk
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from __future__ import annotations
 import re
 
 from jsqueue.config import BareLinePolicy
-from jsqueue.envelope import Reply
-from jsqueue.replies import R500_DATA_LINE_TOO_LONG, R550_BARE_LINE_ENDING, R552_TOO_BIG
+from jsqueue.replies import R500_DATA_LINE_TOO_LONG, R550_BARE_LINE_ENDING, R552_TOO_BIG, Reply
 
 #: RFC 5321 §4.5.3.1.6 / RFC 5322 §2.1.1: longest text line, CRLF excluded.
 MAX_LINE_OCTETS = 998

@@ -24,7 +24,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
-from jsqueue.envelope import Notify, Reply, routing_domain
+from jsqueue.envelope import Notify, routing_domain
 from jsqueue.errors import InvalidName
 from jsqueue.replies import (
     R501_BAD_FORWARD_PATH,
@@ -32,6 +32,7 @@ from jsqueue.replies import (
     R501_BAD_REVERSE_PATH,
     R553_BAD_MAILBOX,
     R553_SMTPUTF8_REQUIRED,
+    Reply,
 )
 
 #: RFC 5321 §4.5.3.1.3: the longest path, angle brackets excluded ("256 octets" includes them).

@@ -74,7 +74,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from jsqueue.config import ReconcilerSettings, Settings
-from jsqueue.envelope import Entry, utcnow
+from jsqueue.envelope import Entry, WorkItem, utcnow
 from jsqueue.errors import (
     BodyNotFound,
     EntryNotFound,
@@ -86,7 +86,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.names import Names, check_queue_id
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import (
     JetStreamBodyStore,
     JetStreamEntryStore,

@@ -6,7 +6,43 @@ matches the basic code's first digit; ``tests/test_replies.py`` checks both.
 
 from __future__ import annotations
 
-from jsqueue.envelope import Reply
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Reply(BaseModel):
+    """An SMTP reply: basic code, enhanced status code, text, and who sent it.
+
+    ``text`` keeps every line of a multi-line reply, joined with ``\\n`` (RFC 5321 §4.2.1).
+    ``remote_host`` is the MX host name (or address) that answered; None when jsqueue
+    synthesised the reply itself (DNS failure, timeout, expiry).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    code: int = Field(ge=200, le=599)
+    enhanced: str | None = None
+    text: str = ""
+    remote_host: str | None = None
+
+    @property
+    def is_permanent(self) -> bool:
+        """5yz: permanent negative completion (RFC 5321 §4.2.1)."""
+        return self.code >= 500
+
+    @property
+    def is_temporary(self) -> bool:
+        """4yz: transient negative completion (RFC 5321 §4.2.1)."""
+        return 400 <= self.code < 500
+
+    @property
+    def is_success(self) -> bool:
+        """2yz: positive completion (RFC 5321 §4.2.1)."""
+        return 200 <= self.code < 300
+
+    def __str__(self) -> str:
+        lines = self.text.split("\n") if self.text else [""]
+        prefix = f"{self.code} {self.enhanced} " if self.enhanced else f"{self.code} "
+        return " ".join(prefix + line if i == 0 else line for i, line in enumerate(lines)).strip()
 
 
 def _r(code: int, enhanced: str, text: str) -> Reply:

@@ -16,10 +16,10 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from jsqueue import replies
-from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, Reply
+from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, WorkItem
 from jsqueue.names import queue_id_time
+from jsqueue.replies import Reply
 from jsqueue.retry import Expire, RetryPolicy, delay_until_s, is_due
-from jsqueue.store.base import WorkItem
 
 #: The front end stores a message's entry and publishes its work items at the same time
 #: (:mod:`jsqueue.frontend`), so a work item can arrive before its entry. For this many

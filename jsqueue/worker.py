@@ -25,7 +25,7 @@ from typing import Protocol
 
 from jsqueue import state
 from jsqueue.config import WorkerSettings
-from jsqueue.envelope import Entry, Recipient, Reply, utcnow
+from jsqueue.envelope import Entry, Recipient, utcnow
 from jsqueue.errors import (
     BodyNotFound,
     EntryDeleted,
@@ -35,6 +35,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
+from jsqueue.replies import Reply
 from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Due, Stores, Versioned, one_chunk, open_entry_body
 

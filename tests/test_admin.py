@@ -28,12 +28,13 @@ from jsqueue.admin import (
     render_stats,
     summaries_total,
 )
-from jsqueue.envelope import Entry, EntryState, Lease, Recipient, RecipientState, Reply, utcnow
+from jsqueue.envelope import Entry, EntryState, Lease, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound, EntryNotFound, InvalidName
 from jsqueue.events import Event, EventKind
 from jsqueue.names import new_queue_id
+from jsqueue.replies import Reply
 from jsqueue.state import claim
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores
 from support.mx import ScriptedMx, Session, SmtpdMx
 from support.nats import backlog_is, read_body
 from support.queue import Harness, eventually

@@ -23,12 +23,12 @@ import nats.errors
 import pytest
 
 from jsqueue.config import NatsSettings, Settings
-from jsqueue.envelope import utcnow
+from jsqueue.envelope import WorkItem, utcnow
 from jsqueue.errors import JsqueueError, ProvisioningError, RevisionConflict, StoreUnavailable
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_cluster import EmbeddedCluster, cluster_config
 from jsqueue.reconciler import Reconciler, open_reconciler
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import JetStreamEntryStore, open_jetstream
 from support.cluster import CountingMx, JsqueueProc, Load, free_port, jsqueue_env, send_load
 from support.dns import DnsServer

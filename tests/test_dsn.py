@@ -30,8 +30,8 @@ from jsqueue.dsn import (
     status_code,
     wants_notice,
 )
-from jsqueue.envelope import Entry, Notify, Recipient, RecipientState, Reply
-from jsqueue.replies import R550_NO_SUCH_DOMAIN
+from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
+from jsqueue.replies import R550_NO_SUCH_DOMAIN, Reply
 
 BERLIN = ZoneInfo("Europe/Berlin")
 MTA = "relay.jsqueue.example.test"

@@ -14,12 +14,12 @@ from jsqueue.envelope import (
     Notify,
     Recipient,
     RecipientState,
-    Reply,
     routing_domain,
     utcnow,
 )
 from jsqueue.errors import InvalidName
 from jsqueue.names import new_queue_id
+from jsqueue.replies import Reply
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 

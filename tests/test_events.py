@@ -14,7 +14,7 @@ from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at
 
 from jsqueue.admin import Admin, Outcome
 from jsqueue.config import NatsSettings
-from jsqueue.envelope import RecipientState, Reply, utcnow
+from jsqueue.envelope import RecipientState, utcnow
 from jsqueue.events import (
     Event,
     EventKind,
@@ -27,6 +27,7 @@ from jsqueue.events import (
 from jsqueue.frontend import SmtpServer
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.replies import Reply
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import connect_nats
 from support.mx import SmtpdMx

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at, store_all
 
 from jsqueue.config import HttpSettings, LogSettings, NatsSettings, SmarthostSettings, SmtpSettings
-from jsqueue.envelope import EntryState, RecipientState
+from jsqueue.envelope import EntryState, RecipientState, WorkItem
 from jsqueue.errors import ListenError
 from jsqueue.frontend import SmtpServer
 from jsqueue.health import Health, HttpServer
@@ -24,7 +24,7 @@ from jsqueue.metrics import Metrics, QueueProbe
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.runtime import run_services
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores
 from support.mx import SmtpdMx
 from support.queue import Harness, eventually
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jsqueue.config import ReconcilerSettings
-from jsqueue.envelope import Entry, Lease, RecipientState, utcnow
+from jsqueue.envelope import Entry, Lease, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
@@ -26,7 +26,7 @@ from jsqueue.reconciler import (
     open_reconciler,
     review,
 )
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import JetStreamEntryStore
 from support.cluster import JsqueueProc, free_port, jsqueue_env
 from support.mx import SmtpdMx

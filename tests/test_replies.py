@@ -7,7 +7,7 @@ import re
 import pytest
 
 from jsqueue import replies
-from jsqueue.envelope import Reply
+from jsqueue.replies import Reply
 
 NAME_RE = re.compile(r"^R(?P<code>[2-5]\d\d)_[A-Z0-9_]+$")
 ENHANCED_RE = re.compile(r"^(?P<cls>[245])\.(?P<subject>\d{1,3})\.(?P<detail>\d{1,3})$")

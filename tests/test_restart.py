@@ -15,11 +15,11 @@ from datetime import timedelta
 
 import pytest
 
-from jsqueue.envelope import RecipientState, utcnow
+from jsqueue.envelope import RecipientState, WorkItem, utcnow
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
-from jsqueue.store.base import Stores, WorkItem
+from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
 from support.nats import ACK_WAIT_S, chunks_of, fetch_one, make_entry, make_settings, read_body
 

@@ -6,8 +6,9 @@ import random
 from datetime import UTC, datetime, timedelta
 
 from jsqueue import replies
-from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, Reply
+from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, WorkItem
 from jsqueue.names import new_queue_id
+from jsqueue.replies import Reply
 from jsqueue.retry import RetryPolicy
 from jsqueue.state import (
     CREATE_GRACE_S,
@@ -21,7 +22,6 @@ from jsqueue.state import (
     renewed,
     settled,
 )
-from jsqueue.store.base import WorkItem
 
 T0 = datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
 POLICY = RetryPolicy(base_s=60, factor=2, max_delay_s=3600, max_age_s=86400, jitter=0)

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from jsqueue.envelope import EntryState, RecipientState, utcnow
+from jsqueue.envelope import EntryState, RecipientState, WorkItem, utcnow
 from jsqueue.errors import (
     BodyCorrupt,
     BodyNotFound,
     EntryDeleted,
     EntryExists,
     EntryNotFound,
+    EntryTooLarge,
     InvalidName,
     RevisionConflict,
-    StoreUnavailable,
 )
 from jsqueue.names import new_queue_id
 from jsqueue.store.base import (
@@ -36,7 +36,6 @@ from jsqueue.store.base import (
     EntryStore,
     Scheduler,
     Stores,
-    WorkItem,
     open_entry_body,
 )
 from jsqueue.store.cache import UNCACHED_MAX, CachedBodyStore
@@ -262,11 +261,11 @@ async def test_entry_with_an_inline_body(stores: Stores) -> None:
     limit = stores.entries.max_value_size
     assert limit >= 512 * 1024
     too_big = make_entry().model_copy(update={"inline_body": b"x" * limit})
-    with pytest.raises(StoreUnavailable):
+    with pytest.raises(EntryTooLarge):
         await stores.entries.create(too_big)
     with pytest.raises(EntryNotFound):
         await stores.entries.get(too_big.id)
-    with pytest.raises(StoreUnavailable):
+    with pytest.raises(EntryTooLarge):
         await stores.entries.update(changed.model_copy(update={"inline_body": b"x" * limit}), rev)
     assert (await stores.entries.get(entry.id)).entry.inline_body == body
 

@@ -17,10 +17,9 @@ from email.message import EmailMessage
 import pytest
 
 from jsqueue.admin import Admin, Outcome
-from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
+from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import new_queue_id
-from jsqueue.store.base import WorkItem
 from jsqueue.store.jetstream import JetStreamBodyStore, JetStreamEntryStore
 from support.cases import case_message, case_text
 from support.frontend import split_body

@@ -85,7 +85,7 @@ from aiosmtplib import SMTPResponse
 from jsqueue.config import TlsPolicy, WorkerSettings
 from jsqueue.delivery.resolver import MxTarget, Resolver
 from jsqueue.delivery.transform import ConversionError, DotStuffer, has_8bit_headers, to_7bit
-from jsqueue.envelope import Entry, Notify, Recipient, Reply
+from jsqueue.envelope import Entry, Notify, Recipient
 from jsqueue.errors import DeliveryError
 from jsqueue.replies import (
     R451_AUTH_FAILED,
@@ -103,6 +103,7 @@ from jsqueue.replies import (
     R554_8BIT_UNSUPPORTED,
     R554_SIZE_EXCEEDED,
     R554_SMTPUTF8_REQUIRED,
+    Reply,
 )
 
 __all__ = [

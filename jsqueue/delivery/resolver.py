@@ -38,7 +38,6 @@ import dns.rrset
 import idna
 
 from jsqueue.config import SmarthostSettings, WorkerSettings
-from jsqueue.envelope import Reply
 from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
 from jsqueue.replies import (
     R451_DNS_TEMPFAIL,
@@ -46,6 +45,7 @@ from jsqueue.replies import (
     R550_MX_HOST_NOT_FOUND,
     R550_NO_SUCH_DOMAIN,
     R550_NULL_MX,
+    Reply,
 )
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,6 @@ from jsqueue.store.base import (
     Scheduler,
     Stores,
     Versioned,
-    WorkItem,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "Scheduler",
     "Stores",
     "Versioned",
-    "WorkItem",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from jsqueue.envelope import Entry, EntryState
+from jsqueue.envelope import Entry, EntryState, WorkItem
 from jsqueue.errors import BodyCorrupt, EntryTooLarge, InvalidName
 
 
@@ -32,19 +32,6 @@ class Versioned:
 
     entry: Entry
     revision: int
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """A trigger: deliver queue entry ``queue_id`` to destination ``domain``.
-
-    ``generation`` must equal the entry's generation when it arrives, otherwise the item is
-    stale (superseded by a flush) and is dropped (DESIGN.md §2.2).
-    """
-
-    queue_id: str
-    domain: str
-    generation: int = 0
 
 
 @runtime_checkable

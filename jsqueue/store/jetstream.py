@@ -72,7 +72,7 @@ from nats.nuid import NUID
 from pydantic import ValidationError
 
 from jsqueue.config import NatsSettings
-from jsqueue.envelope import Entry, EntryState
+from jsqueue.envelope import Entry, EntryState, WorkItem
 from jsqueue.errors import (
     BodyCorrupt,
     BodyNotFound,
@@ -91,7 +91,6 @@ from jsqueue.store.base import (
     Due,
     Stores,
     Versioned,
-    WorkItem,
     check_ingest_key,
     encode_entry,
 )

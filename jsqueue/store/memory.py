@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterable
 from datetime import datetime
 
-from jsqueue.envelope import Entry, EntryState, utcnow
+from jsqueue.envelope import Entry, EntryState, WorkItem, utcnow
 from jsqueue.errors import (
     BodyCorrupt,
     BodyNotFound,
@@ -31,7 +31,6 @@ from jsqueue.store.base import (
     Due,
     Stores,
     Versioned,
-    WorkItem,
     check_ingest_key,
     encode_entry,
 )

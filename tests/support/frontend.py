@@ -35,10 +35,10 @@ from typing import Any, TypeVar
 import trustme
 
 from jsqueue.config import SmtpSettings
-from jsqueue.envelope import Entry
+from jsqueue.envelope import Entry, WorkItem
 from jsqueue.errors import BodyNotFound, StoreUnavailable
 from jsqueue.frontend import SmtpServer, serve_smtp
-from jsqueue.store.base import BodyInfo, Stores, WorkItem
+from jsqueue.store.base import BodyInfo, Stores
 from jsqueue.store.memory import MemoryBodyStore, MemoryEntryStore, open_memory
 
 HOST = "127.0.0.1"
