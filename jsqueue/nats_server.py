@@ -6,6 +6,12 @@ virtualenv's script directory; the configuration is ``nats/jsqueue.conf`` from t
 repository, or the identical :data:`DEFAULT_CONFIG` written into the store directory when
 the package is installed without the repository.
 
+The child dies with its parent: it is started with Linux's ``PR_SET_PDEATHSIG`` (SIGTERM), so
+a ``kill -9`` of jsqueue does not leave a nats-server holding the port and the store. A port
+found taken at start is blamed on the process that holds it; a nats-server left running on
+the same store directory by an earlier jsqueue (an orphan, adopted by PID 1) is stopped and
+the start goes on.
+
 The server's output goes to ``<store_dir>/nats-server.log`` (a file, not a pipe, so a
 long-running server can never block on a full pipe). Readiness and the actual client port
 (for port 0) are read from that log: ``Listening for client connections on …`` and
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import importlib.metadata
 import logging
 import os
@@ -27,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+
+import psutil
 
 from jsqueue.errors import JsqueueError
 
@@ -63,6 +73,73 @@ LOG_FILE = "nats-server.log"
 _LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")
 _READY = "Server is ready"
 _IN_USE = "address already in use"
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: ask the kernel for SIGTERM when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, Linux); exit at once if it died already. Elsewhere a
+    no-op. The signal follows the parent *thread* that forked: start the server from the
+    thread that runs the event loop."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def port_holder(host: str, port: int) -> psutil.Process | None:
+    """The process listening on TCP ``port`` (any local address matching ``host``), when
+    this user may see it; None when none is found.
+
+    Never raises: a process that vanished or is not visible gives None.
+    """
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for c in conns:
+        if c.status != psutil.CONN_LISTEN or not c.laddr or c.laddr.port != port:
+            continue
+        if c.laddr.ip not in (host, "0.0.0.0", "::") or c.pid is None:
+            continue
+        try:
+            return psutil.Process(c.pid)
+        except psutil.Error:
+            return None
+    return None
+
+
+def _describe(proc: psutil.Process) -> str:
+    """``pid 123 (nats-server -c … -sd data/nats)`` for an error message."""
+    try:
+        cmd = " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        cmd = "?"
+    return f"pid {proc.pid} ({cmd[:200]})"
+
+
+def _orphan_of(proc: psutil.Process, store_dir: Path) -> bool:
+    """Whether ``proc`` is a nats-server on ``store_dir`` that no running jsqueue owns: its
+    parent is gone (reparented to PID 1 or a subreaper) or is not a jsqueue process. Such a
+    server was left behind by a jsqueue that was killed before it could stop it."""
+    try:
+        cmd = proc.cmdline()
+        parent = proc.parent()
+        owner = parent.cmdline() if parent is not None and parent.pid != 1 else []
+    except psutil.Error:
+        return False
+    if not cmd or Path(cmd[0]).name != "nats-server" or "-sd" not in cmd[:-1]:
+        return False
+    if any("jsqueue" in part for part in owner):
+        return False
+    try:
+        return Path(cmd[cmd.index("-sd") + 1]).resolve() == store_dir.resolve()
+    except OSError:
+        return False
 
 
 def find_nats_server() -> Path:
@@ -190,6 +267,7 @@ class EmbeddedNats:
             return
         binary = self.binary or find_nats_server()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        await self._stop_orphan()
         config = self.config_file or default_config_file(self.store_dir)
         if not config.is_file():
             raise JsqueueError(f"nats-server config {config}: not found")
@@ -220,6 +298,7 @@ class EmbeddedNats:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                 )
             except OSError as e:
                 raise JsqueueError(f"cannot start nats-server {binary}: {e}") from e
@@ -229,6 +308,29 @@ class EmbeddedNats:
         except BaseException:
             self.kill()
             raise
+
+    async def _stop_orphan(self, timeout_s: float = 10.0) -> None:
+        """Stop a nats-server that an earlier, killed jsqueue left on this store dir and
+        port (see the module docstring); anything else holding the port is left alone and
+        named when the start fails."""
+        if self._port == 0:
+            return
+        holder = port_holder(self.host, self._port)
+        if holder is None or not _orphan_of(holder, self.store_dir):
+            return
+        log.warning(
+            "stopping %s: a nats-server left running on %s by an earlier jsqueue",
+            _describe(holder),
+            self.store_dir,
+        )
+        with contextlib.suppress(psutil.Error):
+            holder.terminate()
+            deadline = time.monotonic() + timeout_s
+            while holder.is_running() and holder.status() != psutil.STATUS_ZOMBIE:
+                if time.monotonic() > deadline:
+                    holder.kill()
+                    break
+                await asyncio.sleep(0.05)
 
     async def _wait_ready(self, offset: int) -> None:
         assert self._proc is not None
@@ -248,9 +350,11 @@ class EmbeddedNats:
             if self._proc.poll() is not None:
                 tail = "\n".join(text.strip().splitlines()[-5:])
                 if _IN_USE in text:
+                    holder = port_holder(self.host, self._port)
+                    by = f" by {_describe(holder)}" if holder is not None else ""
                     raise JsqueueError(
                         f"nats-server cannot listen on {self.host}:{self._port}: "
-                        "the port is already in use"
+                        f"the port is already in use{by}"
                     )
                 raise JsqueueError(
                     f"nats-server exited with status {self._proc.returncode}: {tail}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 
@@ -362,3 +363,50 @@ async def test_close_repeats_a_lost_cancellation_of_the_reconnect_task(
     nc._reconnection_task = task
     await close_nats(nc)
     assert nc.is_closed and task.done() and lost == 2
+
+
+async def test_port_taken_names_the_process_holding_it(tmp_path: Path) -> None:
+    """A port held by something else: the error says what holds it (pid and command)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        server = EmbeddedNats(tmp_path, port=port)
+        with pytest.raises(JsqueueError, match=rf"already in use by pid {os.getpid()} \("):
+            await server.start()
+        assert not server.running
+
+
+async def test_an_orphaned_server_on_the_same_store_is_stopped_at_start(tmp_path: Path) -> None:
+    """A nats-server left on this store dir and port by a killed jsqueue (its parent is not
+    a jsqueue) is stopped by the next start, which then serves on that port."""
+    port = free_port()
+    store = tmp_path / "nats"
+    store.mkdir()
+    cmd = [str(find_nats_server()), "-c", str(default_config_file(store)), "-a", "127.0.0.1"]
+    cmd += ["-p", str(port), "-js", "-sd", str(store)]
+    orphan = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        for _ in range(200):
+            if await can_connect(f"nats://127.0.0.1:{port}"):
+                break
+            await asyncio.sleep(0.05)
+        async with EmbeddedNats(store, port=port) as server:
+            assert await asyncio.wait_for(orphan.wait(), 15) is not None, "orphan stopped"
+            assert server.pid != orphan.pid and await can_connect(server.url)
+    finally:
+        if orphan.returncode is None:
+            orphan.kill()
+            await orphan.wait()
+
+
+async def test_a_server_on_another_store_is_left_alone(tmp_path: Path) -> None:
+    """Only an orphan of the same store dir is stopped; another store's server is named."""
+    port = free_port()
+    async with EmbeddedNats(tmp_path / "a", port=port) as first:
+        other = EmbeddedNats(tmp_path / "b", port=port)
+        with pytest.raises(JsqueueError, match=rf"already in use by pid {first.pid} \("):
+            await other.start()
+        assert first.running

@@ -121,3 +121,42 @@ async def test_ctrl_c_reaches_jsqueue_which_stops_its_nats_server_after_draining
             await proc.wait()
         if nats_pid and _running(nats_pid):  # a failed run must not leave it behind
             os.kill(nats_pid, signal.SIGKILL)
+
+
+async def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while _running(pid) and loop.time() < deadline:  # noqa: ASYNC110 (polls another process)
+        await asyncio.sleep(0.05)
+    return not _running(pid)
+
+
+async def test_kill_9_of_up_takes_its_nats_server_along_and_the_next_start_works(
+    tmp_path: Path,
+) -> None:
+    """``kill -9`` of ``jsqueue up``: its nats-server does not stay behind holding the port
+    (it gets SIGTERM from the kernel, PR_SET_PDEATHSIG), and ``jsqueue up`` starts again on
+    the same ports and store."""
+    env, smtp_port = _up_env(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jsqueue", "up", env=env, stderr=asyncio.subprocess.DEVNULL
+    )
+    nats_pid = 0
+    again = None
+    try:
+        await _send_when_up(smtp_port)
+        [nats_pid] = _children(proc.pid)
+        proc.kill()
+        await proc.wait()
+        assert await _wait_gone(nats_pid), "the nats-server died with its parent"
+        again = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jsqueue", "up", env=env, stderr=asyncio.subprocess.PIPE
+        )
+        await _send_when_up(smtp_port)
+    finally:
+        for p in (proc, again):
+            if p is not None and p.returncode is None:
+                p.terminate()
+                await p.wait()
+        if nats_pid and _running(nats_pid):
+            os.kill(nats_pid, signal.SIGKILL)
