@@ -3,20 +3,26 @@ defaults. One entry point, :func:`load_settings`; secrets are ``SecretStr``.
 
 Example: ``JSQUEUE_WORKER__MX_PORT=2526`` sets ``worker.mx_port``;
 ``JSQUEUE_NATS__URLS='["nats://a:4222","nats://b:4222"]'`` points at a cluster.
-Durations are seconds (suffix ``_s``), sizes octets.
+Durations are seconds (suffix ``_s``), sizes octets. A list setting also takes a bare,
+comma-separated value (``JSQUEUE_SMTP__RELAY_NETWORKS=10.0.0.0/8,192.0.2.0/24``). A
+``JSQUEUE_…`` variable that names no setting stops the start, as an unknown name in the
+TOML file does: a misspelt variable is never silently ignored.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Network, ip_address
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import tomli_w
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -31,6 +37,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -303,6 +310,20 @@ class LogSettings(_Section):
     json_format: bool = Field(False, description="one JSON object per line instead of text")
 
 
+def _is_list(info: FieldInfo | None) -> bool:
+    annotation = info.annotation if info is not None else None
+    return getattr(annotation, "__origin__", None) is list
+
+
+class _EnvSource(EnvSettingsSource):
+    """The environment, where a list setting may also be a bare comma-separated value."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        if isinstance(value, str) and _is_list(field) and not value.lstrip().startswith("["):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return super().decode_complex_value(field_name, field, value)
+
+
 class Settings(BaseSettings):
     """Every jsqueue setting. Load with :func:`load_settings`."""
 
@@ -335,7 +356,10 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         toml_path = os.environ.get(CONFIG_ENV)
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        env = _EnvSource(
+            settings_cls, env_prefix="JSQUEUE_", env_nested_delimiter="__", case_sensitive=False
+        )
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env]
         if toml_path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
@@ -361,16 +385,108 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         os.environ[CONFIG_ENV] = str(config_file)
     elif os.environ.get(CONFIG_ENV) and not Path(os.environ[CONFIG_ENV]).is_file():
         raise ConfigError(f"config file {os.environ[CONFIG_ENV]} (${CONFIG_ENV}): not found")
+    _check_environment(os.environ)
     try:
         return Settings(**overrides)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise ConfigError(_one_line(f"{where}: {err['msg']}")) from None
+        where = _location(err["loc"])
+        raise ConfigError(_one_line(f"{where}: {err['msg']}{_from_env(where)}")) from None
     except SettingsError as e:
         raise ConfigError(_one_line(_env_error(e))) from None
     except (tomllib.TOMLDecodeError, OSError) as e:
         raise ConfigError(_one_line(f"config file {os.environ.get(CONFIG_ENV)}: {e}")) from None
+
+
+_ENV_PREFIX = "JSQUEUE_"
+
+
+def env_names() -> set[str]:
+    """Every environment variable name jsqueue reads (upper case): ``JSQUEUE_CONFIG``, a
+    whole section or table as JSON (``JSQUEUE_WORKER``, ``JSQUEUE_WORKER__SMARTHOST``) and
+    each setting (``JSQUEUE_WORKER__MX_PORT``)."""
+    names = {CONFIG_ENV}
+    for path in setting_paths():
+        parts = path.split(".")
+        for end in range(1, len(parts) + 1):
+            names.add(_ENV_PREFIX + "__".join(parts[:end]).upper())
+    return names
+
+
+def _check_environment(environ: os._Environ[str] | dict[str, str]) -> None:
+    """Raise ConfigError for the first ``JSQUEUE_…`` variable that names no setting, with
+    the closest real name as a hint."""
+    known = env_names()
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(_ENV_PREFIX) or upper in known:
+            continue
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(
+            f"{name}: no such setting{hint}; sections and names are joined with '__', "
+            "see docs/configuration.md"
+        )
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    """``smtp.relay_networks[0]`` from pydantic's error location, without the names of
+    its internal validators (``lax-or-strict[…]``, ``function-after[…]``)."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part):
+            text += f".{part}" if text else part
+    return text or "settings"
+
+
+def _from_env(where: str) -> str:
+    """`` (from JSQUEUE_SMTP__PORT)`` when the setting at ``where`` came from that variable."""
+    path = re.sub(r"\[\d+\]", "", where).split(".")
+    for end in range(len(path), 0, -1):
+        name = _ENV_PREFIX + "__".join(path[:end]).upper()
+        if any(k.upper() == name for k in os.environ):
+            return f" (from {name})"
+    return ""
+
+
+#: How ``jsqueue config show`` prints a secret (and a password inside a URL).
+MASK = "**********"
+
+
+def toml_text(data: Mapping[str, Any]) -> str:
+    """Settings data (``Settings.model_dump(mode="json")``, secrets masked) as TOML that
+    ``--config`` reads back to the same settings: unset values (None) are left out, as
+    TOML has no null and their default is unset; masked secrets are left out too, named in
+    a comment (give them through the environment or the file, never through this output).
+
+    Args:
+        data: section name -> settings of that section.
+
+    Returns:
+        the TOML document, one ``[section]`` table per section.
+    """
+    hidden: list[str] = []
+
+    def clean(value: Any, path: str) -> Any:
+        if isinstance(value, Mapping):
+            kept = {}
+            for k, v in value.items():
+                where = f"{path}.{k}" if path else str(k)
+                if v is None:
+                    continue
+                if v == MASK:
+                    hidden.append(where)
+                    continue
+                kept[k] = clean(v, where)
+            return kept
+        return value
+
+    body = tomli_w.dumps(clean(data, ""))
+    if not hidden:
+        return body
+    return f"# not shown (secrets): {', '.join(hidden)}\n{body}"
 
 
 def _one_line(text: str) -> str:
@@ -386,7 +502,13 @@ def _env_error(e: SettingsError) -> str:
         k for k in os.environ if k.upper() == prefix or k.upper().startswith(prefix + "__")
     )
     cause = e.__cause__ or e.__context__
-    reason = f"not valid JSON ({cause})" if isinstance(cause, ValueError) else str(e)
+    if isinstance(cause, ValueError):
+        reason = (
+            f'not valid JSON ({cause}); write a list as \'["a", "b"]\' (or a,b), '
+            'a table as \'{"key": "value"}\''
+        )
+    else:
+        reason = str(e)
     return f"{field} ({', '.join(names) or 'environment'}): {reason}"
 
 

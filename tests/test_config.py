@@ -85,11 +85,30 @@ async def test_env_over_toml_over_defaults_and_secrets_hidden(tmp_path: Path) ->
 
 
 INVALID = [
+    pytest.param(
+        {"JSQUEUE_WORKER_MX_PORT": "2526"},
+        None,
+        r"JSQUEUE_WORKER_MX_PORT: no such setting \(did you mean JSQUEUE_WORKER__MX_PORT\?\)",
+        id="env-misspelt",
+    ),
+    pytest.param(
+        {"JSQUEUE_FOO__BAR": "1"},
+        None,
+        r"^jsqueue: invalid configuration: JSQUEUE_FOO__BAR: no such setting",
+        id="env-unknown",
+    ),
+    pytest.param(
+        {"JSQUEUE_SMTP__RELAY_NETWORKS": '["10.0.0.300/8"]'},
+        None,
+        r"smtp\.relay_networks\[0\]: Input is not a valid IPv4 network "
+        r"\(from JSQUEUE_SMTP__RELAY_NETWORKS\)$",
+        id="env-list-item",
+    ),
     pytest.param({"JSQUEUE_WORKER__MX_PORT": "99999"}, None, r"worker\.mx_port: .*65535", id="env"),
     pytest.param(
-        {"JSQUEUE_NATS__URLS": "nats://not-json"},
+        {"JSQUEUE_WORKER__TLS_POLICIES": "not-json"},
         None,
-        r"nats \(JSQUEUE_NATS__URLS\): not valid JSON",
+        r"worker \(JSQUEUE_WORKER__TLS_POLICIES\): not valid JSON.*a table as '\{",
         id="env-json",
     ),
     pytest.param({}, "[retry]\nbase_s = -1\n", r"retry\.base_s: .*greater than 0", id="toml"),
@@ -177,3 +196,33 @@ def test_host_settings_take_a_name_or_an_address(value: str, ok: bool) -> None:
         else:
             with pytest.raises(ValidationError, match="not a host name or IP address"):
                 model.model_validate(values)
+
+
+def test_a_list_setting_takes_a_bare_comma_separated_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``JSQUEUE_SMTP__RELAY_NETWORKS=10.0.0.0/8`` is one network, not a JSON error; a
+    comma-separated value is a list; JSON still works."""
+    monkeypatch.delenv("JSQUEUE_CONFIG", raising=False)
+    monkeypatch.setenv("JSQUEUE_SMTP__RELAY_NETWORKS", "10.0.0.0/8")
+    assert [str(n) for n in load_settings().smtp.relay_networks] == ["10.0.0.0/8"]
+    monkeypatch.setenv("JSQUEUE_SMTP__RELAY_NETWORKS", "10.0.0.0/8, 192.0.2.0/24")
+    assert [str(n) for n in load_settings().smtp.relay_networks] == ["10.0.0.0/8", "192.0.2.0/24"]
+    monkeypatch.setenv("JSQUEUE_NATS__URLS", '["nats://a:4222", "nats://b:4222"]')
+    assert load_settings().nats.urls == ["nats://a:4222", "nats://b:4222"]
+
+
+def test_every_known_variable_is_accepted_and_an_unknown_one_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each setting's own variable passes the check; a name between them does not."""
+    from jsqueue.config import env_names
+
+    names = env_names()
+    assert {"JSQUEUE_WORKER__MX_PORT", "JSQUEUE_WORKER__SMARTHOST__HOST", "JSQUEUE_NATS"} <= names
+    monkeypatch.delenv("JSQUEUE_CONFIG", raising=False)
+    monkeypatch.setenv("jsqueue_worker__mx_port", "2526")  # names are not case-sensitive
+    assert load_settings().worker.mx_port == 2526
+    monkeypatch.setenv("JSQUEUE_WORKER__SMARTHOST__PORTS", "25")
+    with pytest.raises(ConfigError, match=r"^JSQUEUE_WORKER__SMARTHOST__PORTS: no such setting"):
+        load_settings()
