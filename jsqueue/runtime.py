@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
-from jsqueue.bounce import DsnNotifier
 from jsqueue.config import Settings, WorkerSettings
 from jsqueue.delivery import (
     BodySource,
@@ -22,6 +21,7 @@ from jsqueue.delivery import (
     deliver_domain,
 )
 from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
+from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.envelope import Entry, Recipient
 from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer
