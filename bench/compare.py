@@ -621,7 +621,7 @@ def summarize_profile(path: Path, top: int = 20) -> str:
             inclusive[f] += n
     if not total:
         return f"{path.name}: no samples\n"
-    skip = ("asyncio/", "runpy", "typer/", "click/", "threading.py", "jsqueue/cli.py", "__main__")
+    skip = ("asyncio/", "runpy", "typer/", "click/", "threading.py", "jsqueue/cli/", "__main__")
     rows = [(f, n) for f, n in inclusive.most_common() if not any(x in f for x in skip)]
     out = [f"{path.name}: {total} samples", "inclusive:"]
     out += [f"  {100 * n / total:5.1f}%  {f}" for f, n in rows[:top]]

@@ -1,18 +1,19 @@
-"""Composition: wire settings, NATS, stores, front end and worker into running services.
-
-Thin by design (STYLE.md): everything here only builds objects from settings and runs them
-until a stop event is set (SIGTERM/SIGINT in the CLI).
+"""Composition: wire settings, NATS, stores, front end, worker and the operators' queue
+operations into running services. Thin by design (STYLE.md): everything here only builds
+objects from settings and runs them until a stop event is set (SIGTERM/SIGINT in the CLI).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
-from jsqueue.bounce import DsnNotifier
+from jsqueue.admin import Admin
 from jsqueue.config import Settings, WorkerSettings
 from jsqueue.delivery import (
     BodySource,
@@ -22,9 +23,10 @@ from jsqueue.delivery import (
     deliver_domain,
 )
 from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
+from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.envelope import Entry, Recipient
 from jsqueue.errors import JsqueueError
-from jsqueue.events import NULL_OBSERVER, Observer
+from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
 from jsqueue.frontend import serve_smtp
 from jsqueue.health import telemetry
 from jsqueue.nats_server import EmbeddedNats
@@ -225,3 +227,42 @@ async def run_services(
             await asyncio.gather(*tasks)
     if nats_died:
         raise JsqueueError("the embedded nats-server died; stopped (start again to recover)")
+
+
+def operator_name() -> str:
+    """``admin:<user>@<host>``: who acted, for the events' ``source`` (``unknown`` when the
+    user name cannot be found)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"admin:{user}@{socket.gethostname()}"
+
+
+@contextlib.asynccontextmanager
+async def open_admin(settings: Settings, *, events: bool = True) -> AsyncIterator[Admin]:
+    """An :class:`~jsqueue.admin.Admin` connected to the configured NATS (``nats.urls``,
+    else ``127.0.0.1:nats.port``), acting as :func:`operator_name`, publishing its events
+    to the events stream when ``events`` is set.
+
+    On exit, buffered events are published (bounded by ``nats.request_timeout_s``) and the
+    connections close.
+
+    Args:
+        settings: all settings (the ``nats`` section is used).
+        events: publish an event for every change (off for read-only commands).
+
+    Raises:
+        StoreUnavailable: NATS unreachable.
+        ProvisioningError: see :func:`jsqueue.store.jetstream.provision`.
+    """
+    urls = nats_urls(settings)
+    stores = await open_jetstream(settings.nats, urls)
+    try:
+        if not events:
+            yield Admin(stores, source=operator_name())
+            return
+        async with open_publisher(settings.nats, urls) as publisher:
+            yield Admin(stores, publisher, source=operator_name())
+    finally:
+        await stores.close()

@@ -1,10 +1,12 @@
-"""Delivery state transitions of a queue entry. Pure: takes ``now``, returns new entries.
-
-The worker reads an entry, asks :func:`check` whether a work item may be delivered, claims
-the destination with :func:`claim`, delivers, and records the replies with :func:`record`;
-every result is written back by compare-and-set (DESIGN.md §2.3). Applying the same
-transition to a newer revision after a conflict is safe: each function only looks at the
-entry it is given.
+"""Pure state transitions of a queue entry: each takes the entry (and ``now``) and returns a
+new entry for the caller to write by compare-and-set (DESIGN.md §2.3); none does I/O. The
+worker's side: :func:`check` whether a work item may be delivered, :func:`claim` and
+:func:`renewed` a destination's lease, :func:`release` it without an outcome, :func:`record`
+the replies, :func:`expire_all` what ran out of time. The operators' side
+(:mod:`jsqueue.admin`): :func:`flushed`, :func:`held`, :func:`released_from_hold` (the hold
+flag, not a lease) and :func:`bounced`, each returning ``(entry or None, detail)``. Applying
+a transition again to a newer revision after a lost compare-and-set is safe: each function
+only looks at the entry it is given.
 """
 
 from __future__ import annotations
@@ -111,6 +113,13 @@ def _copy(entry: Entry) -> Entry:
 def claim(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) -> Entry:
     """Take a lease on ``domain`` and mark its open recipients active (DESIGN.md §2.3).
 
+    Args:
+        entry: the entry as read.
+        domain: the destination domain (A-label).
+        owner: the worker's name, recorded in the lease.
+        now: the current time, aware UTC.
+        lease_s: the lease's length, seconds.
+
     Returns:
         a new entry; the caller writes it by compare-and-set before talking SMTP.
     """
@@ -143,6 +152,10 @@ def renewed(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float
 
 def release(entry: Entry, domain: str) -> Entry:
     """Give the lease on ``domain`` back without an outcome (drain): recipients become due.
+
+    A lease, not the hold flag: an operator's release of a held entry is
+    :func:`released_from_hold`. Idempotent: without a lease on ``domain`` only active
+    recipients change.
 
     Returns:
         a new entry with the lease removed and active recipients deferred to now.
@@ -180,6 +193,14 @@ def record(
     RFC 5321 §4.5.5); 4yz → deferred to the policy's next instant, or bounced as expired
     when the lifetime ran out (the last remote reply kept for the DSN, RFC 3464 §2.3.6). A
     recipient without a reply in ``outcomes`` counts as a temporary protocol error.
+
+    Args:
+        entry: the entry as read (claimed by this worker).
+        domain: the destination domain attempted.
+        outcomes: the reply per recipient address.
+        now: the current time, aware UTC.
+        policy: the retry policy (next attempt, lifetime).
+        rng: the jitter source.
 
     Returns:
         the new entry (lease on ``domain`` dropped) and a summary; ``retry_delay_s`` is the
@@ -243,3 +264,152 @@ def settled(entry: Entry) -> bool:
     return not any(
         r.state in (RecipientState.PENDING, RecipientState.ACTIVE) for r in entry.recipients
     )
+
+
+# --------------------------------------------------------------------------- operators
+
+
+def _at(value: datetime) -> str:
+    """``value`` as ``YYYY-MM-DD HH:MM:SS`` (UTC, as stored), for the details operators read."""
+    return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Entry | None, str]:
+    """Make the open recipients (of ``domain``, or all) due ``now`` under a new generation.
+
+    What ``postqueue -f`` / ``-i`` / ``-s`` does (DESIGN.md §4): the caller writes the new
+    entry by compare-and-set and publishes one work item per open domain with the new
+    generation, so older items arrive stale and drop. Leases (DESIGN.md §2.3), per
+    destination domain:
+
+    * a lease still running (``until`` after ``now``) is never broken: its worker may be in
+      the middle of the SMTP transaction, and a second attempt could send the message twice
+      (RFC 5321 §6.1). Its recipients are left as they are and the detail says
+      ``<domain>: leased by <owner> until <time> UTC, tried then ...``: if that worker died,
+      the destination is tried when the lease runs out; if it lives, its outcome sets the
+      next attempt.
+    * a lease that has run out (its worker died or gave up) is dropped and its active
+      recipients become pending (deferred after an attempt) and due ``now``, as a worker's
+      own claim would override it. A worker that claims the destination meanwhile wins the
+      compare-and-set and the flush is applied to its version.
+
+    Args:
+        entry: the entry as read.
+        now: the current time, aware UTC.
+        domain: only recipients of this routing domain (A-label); all when None.
+
+    Returns:
+        ``(new entry, detail)``: the detail counts the recipients made due and names every
+        lease kept or dropped. ``(None, reason)`` when the entry is held, nothing matching
+        is open, or every matching destination is under a running lease. Idempotent up to
+        the generation, which every applied flush bumps.
+    """
+    if entry.held:
+        return None, "held: release it instead"
+    wanted = {
+        r.domain
+        for r in entry.recipients
+        if not r.state.is_final and (domain is None or r.domain == domain)
+    }
+    if not wanted:
+        return None, "nothing to deliver"
+    live = {d: lease for d, lease in entry.leases.items() if d in wanted and lease.until > now}
+    notes = [
+        f"{d}: leased by {lease.owner} until {_at(lease.until)} UTC, tried then if that worker "
+        "is gone (a running lease is never broken: its worker may be mid-delivery)"
+        for d, lease in sorted(live.items())
+    ]
+    free = wanted - live.keys()
+    if not free:
+        return None, "; ".join(notes)
+    new = entry.model_copy(deep=True)
+    new.generation += 1
+    for d in sorted(free):
+        ran_out = new.leases.get(d)
+        if ran_out is not None:
+            new = release(new, d)
+            notes.insert(0, f"{d}: lease of {ran_out.owner} expired {_at(ran_out.until)} UTC")
+    count = 0
+    for r in new.recipients:
+        if not r.state.is_final and r.domain in free:
+            r.next_attempt_at = now
+            count += 1
+    return new, "; ".join([f"{count} recipient(s) due now", *notes])
+
+
+def held(entry: Entry) -> tuple[Entry | None, str]:
+    """Set the hold flag (``postsuper -h``): work items of a held entry drop on arrival
+    (:func:`check`); an attempt already under way finishes and is recorded.
+
+    Args:
+        entry: the entry as read.
+
+    Returns:
+        ``(new entry, "held")``; ``(None, reason)`` when the entry is already held or final.
+        Idempotent.
+    """
+    if entry.is_final:
+        return None, "already final"
+    if entry.held:
+        return None, "already held"
+    new = entry.model_copy(deep=True)
+    new.held = True
+    return new, "held"
+
+
+def released_from_hold(entry: Entry, now: datetime) -> tuple[Entry | None, str]:
+    """Clear the hold flag (``postsuper -H``) and make the open recipients due ``now`` under
+    a new generation, like :func:`flushed`. Not :func:`release`, which gives a lease back.
+
+    Args:
+        entry: the entry as read.
+        now: the current time, aware UTC.
+
+    Returns:
+        ``(new entry, "released")``; ``(None, "not held")`` when the hold flag is not set.
+        Idempotent.
+    """
+    if not entry.held:
+        return None, "not held"
+    new = entry.model_copy(deep=True)
+    new.held = False
+    new.generation += 1
+    for r in new.recipients:
+        if not r.state.is_final:
+            r.next_attempt_at = now
+    return new, "released"
+
+
+def bounced(entry: Entry, now: datetime, reply: Reply) -> tuple[Entry | None, str]:
+    """Bounce every open recipient with ``reply`` under a new generation (an operator's
+    bounce); a worker then sends the DSN (RFC 3464) and removes the entry.
+
+    The state is ``bounced``, or ``failed`` when the reverse-path is null: no DSN is owed
+    (RFC 5321 §4.5.5). ``reply`` should be a 5yz, so the DSN reports a failure rather than
+    an expiry (RFC 3463 §3.5 ``4.4.7``, see :mod:`jsqueue.dsn.report`). Recipients of a
+    domain whose lease is still running (a worker is delivering) are left alone; the lease
+    of every bounced domain is dropped.
+
+    Args:
+        entry: the entry as read.
+        now: the current time, aware UTC.
+        reply: the last reply recorded for each bounced recipient.
+
+    Returns:
+        ``(new entry, detail)`` naming the count and the domains left alone; ``(None,
+        reason)`` when nothing is open or every open recipient's domain is being delivered.
+        Idempotent: a second bounce finds nothing open.
+    """
+    busy = {d for d, lease in entry.leases.items() if lease.until > now}
+    targets = [r for r in entry.recipients if not r.state.is_final and r.domain not in busy]
+    if not targets:
+        return None, "being delivered: try again" if busy else "nothing to bounce"
+    final = RecipientState.FAILED if entry.reverse_path == "" else RecipientState.BOUNCED
+    new = entry.model_copy(deep=True)
+    new.generation += 1
+    for r in new.recipients:
+        if not r.state.is_final and r.domain not in busy:
+            r.state, r.last_reply, r.next_attempt_at = final, reply, None
+            new.leases.pop(r.domain, None)
+    note = f"; left {', '.join(sorted(busy))} alone (being delivered)" if busy else ""
+    return new, f"{len(targets)} recipient(s) bounced{note}"

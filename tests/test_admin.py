@@ -14,27 +14,15 @@ import pytest
 from test_worker import SENDER_ZONE, dsn_parts, gone
 
 from jsqueue import replies
-from jsqueue.admin import (
-    Action,
-    Admin,
-    EntryFilter,
-    Outcome,
-    bounced,
-    flushed,
-    held,
-    parse_duration,
-    released,
-    render_detail,
-    render_stats,
-    summaries_total,
-)
+from jsqueue.admin import Admin, EntryFilter, parse_duration
+from jsqueue.cli.render import render_detail, render_stats, summaries_total
 from jsqueue.envelope import Entry, EntryState, Lease, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound, EntryNotFound, InvalidName
 from jsqueue.events import Event, EventKind
 from jsqueue.names import new_queue_id
-from jsqueue.replies import Reply
 from jsqueue.state import claim
 from jsqueue.store.base import Stores
+from jsqueue.views import Action, Outcome
 from support.mx import ScriptedMx, Session, SmtpdMx
 from support.nats import backlog_is, read_body
 from support.queue import Harness, eventually
@@ -347,7 +335,7 @@ async def test_stats_counts_states_domains_and_oldest(js_stores: Stores) -> None
 
 async def test_stats_and_ls_count_the_same_messages(js_stores: Stores) -> None:
     """``queue stats`` and ``queue ls`` agree on how many messages are queued: a finished
-    DSN kept as bookkeeping against a resend (``jsqueue.bounce``) and a final entry not yet
+    DSN kept as bookkeeping against a resend (``jsqueue.dsn.notifier``) and a final entry not yet
     removed are not queued messages; stats shows them on their own ``kept`` line, not in
     ``entries`` or the per-state counts."""
     kept_dsn = entry_at(40, "c.example.test", RecipientState.DELIVERED, sender="", is_dsn=True)
@@ -490,50 +478,7 @@ async def test_flush_of_an_entry_leased_by_a_dead_worker(queue_harness: Harness)
         assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
 
 
-# --------------------------------------------------------------------------- pure parts
-
-
-def test_pure_changes() -> None:
-    """The pure transitions: flush makes open recipients of one domain due and bumps the
-    generation; hold/release toggle; bounce skips a domain under a running lease and uses
-    ``failed`` for the null reverse-path (no DSN owed, RFC 5321 §4.5.5)."""
-    now = utcnow()
-    e = entry_at(10, "a.example.test", RecipientState.DEFERRED)
-    e.recipients.append(Recipient(address="v@b.example.test", domain="b.example.test"))
-    e.recipients[0].next_attempt_at = now + timedelta(hours=1)
-    new, _ = flushed(e, now, "a.example.test")
-    assert new is not None and new.generation == 1
-    assert new.recipients[0].next_attempt_at == now
-    assert new.recipients[1].next_attempt_at is None
-    assert flushed(e, now, "c.example.test")[0] is None
-    h, _ = held(e)
-    assert h is not None and h.held and held(h)[0] is None
-    assert flushed(h, now)[0] is None  # held: release instead
-    r, _ = released(h, now)
-    assert r is not None and not r.held and r.generation == 1
-    assert released(e, now)[0] is None
-    e.leases["b.example.test"] = Lease(owner="w", until=now + timedelta(minutes=5))
-    reply = Reply(code=550, enhanced="5.7.1", text="x")
-    b, detail = bounced(e, now, reply)
-    assert b is not None and "b.example.test" in detail
-    assert [x.state for x in b.recipients] == [RecipientState.BOUNCED, RecipientState.PENDING]
-    live, detail = flushed(e, now, "b.example.test")
-    assert live is None and "leased by w until" in detail  # a running lease is never broken
-    both, detail = flushed(e, now)
-    assert both is not None and both.leases == e.leases and "leased by w" in detail
-    assert [x.next_attempt_at for x in both.recipients] == [now, None]
-    ran_out = e.model_copy(deep=True)
-    ran_out.leases["b.example.test"] = Lease(owner="w", until=now)
-    ran_out.recipients[1].state = RecipientState.ACTIVE
-    freed, detail = flushed(ran_out, now, "b.example.test")
-    assert freed is not None and freed.leases == {} and "expired" in detail
-    assert freed.recipients[1].state is RecipientState.PENDING
-    assert freed.recipients[1].next_attempt_at == now
-    null = e.model_copy(update={"reverse_path": "", "leases": {}})
-    b2, _ = bounced(null, now, reply)
-    assert b2 is not None
-    assert [x.state for x in b2.recipients] == [RecipientState.FAILED, RecipientState.FAILED]
-    assert all(x.last_reply == reply for x in b2.recipients)
+# --------------------------------------------------------------------------- parsing
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import uvloop
 from test_admin import DEST_ZONE, MESSAGE, RCPT
 
-from jsqueue.admin import BulkResult, EntryDetail, EntrySummary, Outcome, QueueStats
 from jsqueue.envelope import EntryState, RecipientState
 from jsqueue.events import Event, EventKind
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.jetstream import open_jetstream
+from jsqueue.views import BulkResult, EntryDetail, EntrySummary, Outcome, QueueStats
 from support.mx import SmtpdMx
 from support.nats import make_settings, read_body
 from support.queue import Harness, eventually
@@ -223,7 +223,7 @@ async def test_check(nats_server: EmbeddedNats, names: Names) -> None:
 
 def test_commands_run_on_uvloop() -> None:
     """Every command runs its coroutine through ``_run_until_signal``: on uvloop."""
-    from jsqueue import cli
+    from jsqueue.cli import commands as cli
 
     seen: list[type] = []
 

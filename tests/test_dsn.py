@@ -1,4 +1,4 @@
-"""DSNs (jsqueue/dsn.py): RFC 3464 content, RFC 3461 NOTIFY/RET, RFC 5321 §4.5.5 loops.
+"""DSNs (jsqueue/dsn/report.py): RFC 3464 content, RFC 3461 NOTIFY/RET, RFC 5321 §4.5.5 loops.
 
 CASE-22 is checked field by field on a parsed message; CASE-19 and CASE-21 cover multi-line
 diagnostics and the null / UTF-8 reverse-path.
@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from jsqueue.dsn import (
+from jsqueue.dsn.report import (
     Action,
     DsnEvent,
     action_for,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at
 
-from jsqueue.admin import Admin, Outcome
+from jsqueue.admin import Admin
 from jsqueue.config import NatsSettings
 from jsqueue.envelope import RecipientState, utcnow
 from jsqueue.events import (
@@ -30,6 +30,7 @@ from jsqueue.nats_server import EmbeddedNats
 from jsqueue.replies import Reply
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import connect_nats
+from jsqueue.views import Outcome
 from support.mx import SmtpdMx
 from support.queue import Harness, eventually
 

@@ -45,7 +45,7 @@ import trustme
 import typer
 import yaml
 
-from jsqueue.cli import app
+from jsqueue.cli.commands import app
 from jsqueue.config import Settings, load_settings
 from jsqueue.frontend import SmtpServer
 from jsqueue.names import Names

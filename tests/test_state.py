@@ -1,4 +1,5 @@
-"""Pure delivery state transitions (jsqueue.state): checks, claims, outcomes, expiry."""
+"""Pure state transitions (jsqueue.state): checks, claims, outcomes, expiry, and the
+operators' flush, hold, release and bounce."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 from datetime import UTC, datetime, timedelta
 
 from jsqueue import replies
-from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, WorkItem
+from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.names import new_queue_id
 from jsqueue.replies import Reply
 from jsqueue.retry import RetryPolicy
@@ -14,11 +15,15 @@ from jsqueue.state import (
     CREATE_GRACE_S,
     CREATE_RETRY_S,
     Verdict,
+    bounced,
     check,
     claim,
     expire_all,
+    flushed,
+    held,
     record,
     release,
+    released_from_hold,
     renewed,
     settled,
 )
@@ -215,3 +220,65 @@ def test_item_ahead_of_its_entry_is_tried_again_within_the_grace() -> None:
     assert check(None, item, created + timedelta(seconds=CREATE_GRACE_S + 1)).verdict is (
         Verdict.DROP
     )
+
+
+# --------------------------------------------------------------------------- operators
+
+
+def deferred_entry() -> Entry:
+    """An entry ten minutes old with one deferred recipient at a.example.test."""
+    created = utcnow() - timedelta(minutes=10)
+    return Entry(
+        id=new_queue_id(int(created.timestamp() * 1000)),
+        reverse_path="alice@example.test",
+        recipients=[
+            Recipient(
+                address="u@a.example.test", domain="a.example.test", state=RecipientState.DEFERRED
+            )
+        ],
+        created_at=created,
+        size=1000,
+    )
+
+
+def test_operator_changes() -> None:
+    """The pure transitions: flush makes open recipients of one domain due and bumps the
+    generation; hold/release toggle; bounce skips a domain under a running lease and uses
+    ``failed`` for the null reverse-path (no DSN owed, RFC 5321 §4.5.5)."""
+    now = utcnow()
+    e = deferred_entry()
+    e.recipients.append(Recipient(address="v@b.example.test", domain="b.example.test"))
+    e.recipients[0].next_attempt_at = now + timedelta(hours=1)
+    new, _ = flushed(e, now, "a.example.test")
+    assert new is not None and new.generation == 1
+    assert new.recipients[0].next_attempt_at == now
+    assert new.recipients[1].next_attempt_at is None
+    assert flushed(e, now, "c.example.test")[0] is None
+    h, _ = held(e)
+    assert h is not None and h.held and held(h)[0] is None
+    assert flushed(h, now)[0] is None  # held: release instead
+    r, _ = released_from_hold(h, now)
+    assert r is not None and not r.held and r.generation == 1
+    assert released_from_hold(e, now)[0] is None
+    e.leases["b.example.test"] = Lease(owner="w", until=now + timedelta(minutes=5))
+    reply = Reply(code=550, enhanced="5.7.1", text="x")
+    b, detail = bounced(e, now, reply)
+    assert b is not None and "b.example.test" in detail
+    assert [x.state for x in b.recipients] == [RecipientState.BOUNCED, RecipientState.PENDING]
+    live, detail = flushed(e, now, "b.example.test")
+    assert live is None and "leased by w until" in detail  # a running lease is never broken
+    both, detail = flushed(e, now)
+    assert both is not None and both.leases == e.leases and "leased by w" in detail
+    assert [x.next_attempt_at for x in both.recipients] == [now, None]
+    ran_out = e.model_copy(deep=True)
+    ran_out.leases["b.example.test"] = Lease(owner="w", until=now)
+    ran_out.recipients[1].state = RecipientState.ACTIVE
+    freed, detail = flushed(ran_out, now, "b.example.test")
+    assert freed is not None and freed.leases == {} and "expired" in detail
+    assert freed.recipients[1].state is RecipientState.PENDING
+    assert freed.recipients[1].next_attempt_at == now
+    null = e.model_copy(update={"reverse_path": "", "leases": {}})
+    b2, _ = bounced(null, now, reply)
+    assert b2 is not None
+    assert [x.state for x in b2.recipients] == [RecipientState.FAILED, RecipientState.FAILED]
+    assert all(x.last_reply == reply for x in b2.recipients)

@@ -1,52 +1,11 @@
-"""Delivery status notifications (RFC 3464 in an RFC 6522 multipart/report). Pure, no I/O.
-
-Two halves:
-
-* **Who gets reported** — :func:`recipients_to_report` picks, for one entry and one event
-  (failure, delay, success), every recipient the DSN must list, honouring RFC 3461 NOTIFY,
-  never for the null reverse-path (RFC 5321 §4.5.5: bounces never bounce) and never twice
-  (``Recipient.dsn_sent``). One event gives one DSN listing all of them (RFC 3461 §5.2.8).
-* **What the DSN says** — :func:`build_dsn` renders the report as bytes with CRLF line ends:
-  a human-readable ``text/plain`` part, the ``message/delivery-status`` part and the
-  returned content (headers only, or the full message for ``RET=FULL`` within a size
-  limit). The caller streams that content from the body store: :func:`returns_full` says
-  how much to read, :func:`header_block` cuts the header section out of the first chunks.
-
-Decisions made here, in one place:
-
-* Every date is RFC 5322 §3.3 ``date-time`` in UTC with a numeric zone (``+0000``), never a
-  zone name and never the host's local zone.
-* ``Status`` is the remote enhanced code (RFC 3463) when it agrees with the basic code's
-  class, else synthesised from the class (``5.0.0`` / ``4.0.0`` / ``2.0.0``). A *failed*
-  recipient whose last reply is temporary (or absent) can only have run out of time or
-  attempts: it is reported as expired, ``Status: 4.4.7`` (RFC 3463 §3.5), with the last
-  reply as ``Diagnostic-Code``. Operator bounces should therefore record a 5yz reply.
-* ``Diagnostic-Code`` uses type ``smtp`` when the reply came from a remote MTA and
-  ``X-jsqueue`` when jsqueue synthesised it (DNS failure, no connection, expiry without
-  any reply). Every line of a multi-line reply is kept, one folded line each (RFC 5322
-  §2.2.3), so unfolding joins them with single spaces.
-* ``Entry.envid`` and ``Recipient.orcpt`` hold the *decoded* RFC 3461 values (as the
-  delivery client assumes: it xtext-encodes them on the wire); they are reported as is.
-* Non-ASCII addresses (RFC 6531) use the ``utf-8`` address type in its 7-bit
-  ``utf-8-addr-xtext`` form (RFC 6533 §3: ``\\x{HEX}`` escapes), so the
-  ``message/delivery-status`` part stays ASCII.
-* Returned content (RFC 3462 / RFC 6522 §3): ``text/rfc822-headers`` for ``RET=HDRS``, for no
-  ``RET`` (our default) and for ``RET=FULL`` above the size limit; ``message/rfc822`` for
-  ``RET=FULL`` within it. Content is never transformed: 8-bit headers go into
-  ``text/rfc822-headers; charset=utf-8`` in base64 (the 7-bit alternative to RFC 6533
-  ``message/global-headers``); an 8-bit full message goes, unencoded, into ``message/rfc822`` (or
-  ``message/global`` when its headers are UTF-8, RFC 6532 §3.7) with
-  ``Content-Transfer-Encoding: 8bit`` (RFC 2046 §5.2.1 forbids base64 there). So a DSN is
-  7-bit ASCII except (a) that ``RET=FULL`` case, which must be queued as 8-bit
-  (``not data.isascii()``: send with BODY=8BITMIME), and (b) its ``To:`` header when the
-  reverse-path itself is UTF-8 (which needs SMTPUTF8 to be delivered at all).
-* ``RET=FULL`` returns the original as stored (line ends normalised to CRLF); over-long lines
-  are not re-wrapped.
-* Successful delivery (NOTIFY=SUCCESS): ``relayed`` when the next hop did not support DSN
-  (RFC 3461 §5.2.2); when it did and NOTIFY/ORCPT were passed on, the next hop reports and
-  jsqueue sends nothing (RFC 3461 §5.2.1).
-* Default NOTIFY (none given) is FAILURE,DELAY (RFC 3461 §4.1 leaves DELAY to the MTA);
-  delay warnings are still only sent when ``dsn.delay_warning_after_s`` is configured.
+"""Building delivery status notifications (RFC 3464 inside an RFC 6522 multipart/report),
+pure and without I/O: who one DSN about a failure, delay or success lists
+(:func:`recipients_to_report`, honouring RFC 3461 NOTIFY and never reporting mail from
+``<>``, RFC 5321 §4.5.5), and the DSN itself as CRLF bytes (:func:`build_dsn`: a
+human-readable part, the ``message/delivery-status`` fields of RFC 3464 §2.2 / §2.3 with
+RFC 3463 status codes, and the returned content of RFC 3461 §4.3 RET); the decisions taken
+(dates, status synthesis, diagnostic types, address types, returned content) are listed in
+docs/architecture.md (Operations and DSNs).
 """
 
 from __future__ import annotations

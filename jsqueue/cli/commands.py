@@ -1,7 +1,8 @@
-"""The ``jsqueue`` command line (typer). Parses, loads settings, calls; holds no logic.
-
-Exit codes: 0 success; 1 runtime failure (NATS unreachable, health check failed);
-2 bad usage or an invalid setting (one line naming the setting, no traceback).
+"""The ``jsqueue`` commands (typer): each parses its options, loads the settings, calls the
+runtime or the queue operations and prints what they return (:mod:`jsqueue.cli.render`, or
+JSON); no logic of its own. Exit codes: 0 success; 1 runtime failure (NATS unreachable,
+health check failed, an action failed); 2 bad usage or an invalid setting (one line naming
+the setting, no traceback).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -22,14 +22,9 @@ import typer
 import uvloop
 from pydantic import BaseModel, ValidationError
 
-from jsqueue.admin import (
+from jsqueue.admin import EntryFilter, parse_duration
+from jsqueue.cli.render import (
     LS_HEADER,
-    Action,
-    EntryFilter,
-    EntrySummary,
-    Outcome,
-    open_admin,
-    parse_duration,
     render_counts,
     render_detail,
     render_entry_lines,
@@ -43,6 +38,7 @@ from jsqueue.errors import BodyNotFound, ConfigError, EntryNotFound, InvalidName
 from jsqueue.events import EventKind, tail
 from jsqueue.logs import setup_logging
 from jsqueue.names import check_queue_id
+from jsqueue.views import Action, EntrySummary, Outcome
 
 app = typer.Typer(
     add_completion=False,
@@ -306,6 +302,8 @@ def queue_ls(
             _fail(str(e), 2)
 
     async def main(stop: asyncio.Event) -> None:
+        from jsqueue.runtime import open_admin
+
         shown = octets = 0
         last: str | None = None
         async with open_admin(settings, events=False) as adm:
@@ -342,6 +340,8 @@ def queue_show(
     settings = _settings()
 
     async def main(stop: asyncio.Event) -> None:
+        from jsqueue.runtime import open_admin
+
         async with open_admin(settings, events=False) as adm:
             try:
                 if body:
@@ -373,6 +373,8 @@ def queue_stats(
     settings = _settings()
 
     async def main(stop: asyncio.Event) -> None:
+        from jsqueue.runtime import open_admin
+
         async with open_admin(settings, events=False) as adm:
             stats = await adm.stats()
         if as_json:
@@ -400,6 +402,8 @@ def _bulk(
 
     async def main(stop: asyncio.Event) -> None:
         nonlocal exit_code
+        from jsqueue.runtime import open_admin
+
         async with open_admin(settings) as adm:
             queue_ids = list(ids) if ids else await adm.select(flt)
             domain = flt.domain if action is Action.FLUSH else None
@@ -516,10 +520,3 @@ def events_tail(
         task.result()
 
     _run_until_signal(main)
-
-
-def main() -> None:
-    """Console-script entry point."""
-    logging.captureWarnings(True)
-    app(prog_name="jsqueue")
-    sys.exit(0)

@@ -1,14 +1,8 @@
-"""Enqueueing DSNs: the seam between recorded outcomes and RFC 3464 reports.
-
-:class:`DsnNotifier` looks at a settled entry, asks :mod:`jsqueue.dsn` which recipients a
-failure, delay or success DSN must list (RFC 3461 NOTIFY, null reverse-path rules), renders
-one DSN per event, and enqueues it as a new queue entry from the null reverse-path ``<>``
-to the original reverse-path (RFC 5321 §4.5.5), delivered like any other mail.
-
-Idempotent: a DSN's queue id is derived from the original id, the event and the reported
-recipients' attempt counts (:func:`~jsqueue.names.derived_queue_id`), and entries are
-created if absent, so a worker that crashes between enqueueing and marking the original
-enqueues nothing twice. DSN entries are kept (body removed) once final for the same reason.
+"""Enqueueing DSNs: :class:`DsnNotifier` turns a settled entry's recorded outcomes into
+the DSNs it owes (built by :mod:`jsqueue.dsn.report`, RFC 3464) and queues each as a new
+entry from the null reverse-path ``<>`` to the original reverse-path (RFC 5321 §4.5.5),
+delivered like any other mail; idempotent through derived queue ids and create-if-absent
+(docs/architecture.md, Operations and DSNs).
 """
 
 from __future__ import annotations
@@ -17,8 +11,8 @@ import contextlib
 import logging
 from datetime import datetime
 
-from jsqueue import dsn
 from jsqueue.config import DsnSettings
+from jsqueue.dsn import report
 from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem
 from jsqueue.errors import EntryExists
 from jsqueue.names import derived_queue_id
@@ -27,16 +21,29 @@ from jsqueue.store.base import Stores, one_chunk, open_entry_body
 
 log = logging.getLogger("jsqueue.bounce")
 
-_EVENTS = (dsn.DsnEvent.FAILURE, dsn.DsnEvent.DELAY, dsn.DsnEvent.SUCCESS)
+_EVENTS = (report.DsnEvent.FAILURE, report.DsnEvent.DELAY, report.DsnEvent.SUCCESS)
 
 
 class DsnNotifier:
     """Enqueues the DSNs an entry owes (the worker's ``Notifier``).
 
+    One DSN per event (failure, delay, success) lists every recipient that event concerns
+    (see :func:`jsqueue.state.settled`). Its queue id is derived from the original id, the
+    event, the addressee and the reported recipients' attempt counts
+    (:func:`~jsqueue.names.derived_queue_id`) and its entry is created if absent, so a
+    worker that crashes between enqueueing and marking the original enqueues nothing twice;
+    finished DSN entries are kept (body removed) for the same reason.
+
     Args:
         stores: where DSN bodies and entries go.
-        settings: reporting MTA name, returned-content limit, delay warnings, postmaster.
-        policy: the ordinary retry policy (its lifetime gives Will-Retry-Until).
+        settings: reporting MTA name, returned-content limit (octets), delay warnings
+            (seconds), postmaster.
+        policy: the ordinary retry policy (its lifetime gives Will-Retry-Until,
+            RFC 3464 §2.3.9).
+
+    Attributes:
+        dropped: recipients of mail from ``<>`` that failed for good and got no DSN
+            (RFC 5321 §4.5.5), counted since start.
     """
 
     def __init__(self, stores: Stores, settings: DsnSettings, policy: RetryPolicy) -> None:
@@ -49,12 +56,26 @@ class DsnNotifier:
         """Enqueue every DSN ``entry`` owes and return it marked, or None if none was owed.
 
         Failure and success DSNs mark their recipients ``dsn_sent``; delay warnings set
-        ``delay_notified_at``. Recipients of a DSN that failed for good are logged and
-        counted as dropped (a DSN never gets a DSN), with an optional copy to the
-        configured postmaster.
+        ``delay_notified_at`` (RFC 3461 §4.1 NOTIFY). Recipients of mail from ``<>`` (or of
+        a DSN) that failed for good are logged and counted as dropped (a DSN never gets a
+        DSN, RFC 5321 §4.5.5), with an optional copy to the configured postmaster. The
+        caller writes the marked entry by compare-and-set; idempotent until it has (see
+        the class docstring).
+
+        Args:
+            entry: the settled entry, outcomes recorded.
+            now: the current time, aware UTC (the DSNs' Date, the delay warning clock).
+
+        Returns:
+            a marked copy of ``entry``, or None when it owed nothing.
 
         Raises:
-            StoreUnavailable: the DSN could not be stored; nothing is marked.
+            StoreUnavailable: a DSN could not be stored; nothing is marked.
+            BodyNotFound: the original's body is gone, so the returned content cannot be
+                read (RFC 3461 §4.3); nothing is marked.
+            BodyCorrupt: the original's body does not match its digest; nothing is marked.
+            InvalidName: the DSN's addressee has no usable routing domain.
+            ValueError: ``dsn.reporting_mta`` is not an ASCII host name.
         """
         marked = entry.model_copy(deep=True)
         changed = False
@@ -63,7 +84,7 @@ class DsnNotifier:
             addresses = {r.address for r in rcpts}
             for r in marked.recipients:
                 if r.address in addresses:
-                    if event is dsn.DsnEvent.DELAY:
+                    if event is report.DsnEvent.DELAY:
                         r.delay_notified_at = now
                     else:
                         r.dsn_sent = True
@@ -75,14 +96,20 @@ class DsnNotifier:
         """Whether :meth:`notify` would enqueue or mark anything for ``entry`` (no I/O).
 
         False lets the worker remove a final entry without recording its outcome first.
+
+        Args:
+            entry: the entry, outcomes recorded.
+            now: the current time, aware UTC (for delay warnings).
         """
         return bool(self._reports(entry, now) or _double_bounced(entry))
 
-    def _reports(self, entry: Entry, now: datetime) -> list[tuple[dsn.DsnEvent, list[Recipient]]]:
+    def _reports(
+        self, entry: Entry, now: datetime
+    ) -> list[tuple[report.DsnEvent, list[Recipient]]]:
         """The DSNs owed: (event, recipients to list) for every event with recipients."""
         found = []
         for event in _EVENTS:
-            rcpts = dsn.recipients_to_report(
+            rcpts = report.recipients_to_report(
                 entry,
                 event,
                 now=now,
@@ -108,7 +135,7 @@ class DsnNotifier:
         self.dropped += len(failed)
         postmaster = self.settings.postmaster
         if postmaster and all(r.address != postmaster for r in entry.recipients):
-            await self._enqueue(entry, postmaster, failed, dsn.DsnEvent.FAILURE, now)
+            await self._enqueue(entry, postmaster, failed, report.DsnEvent.FAILURE, now)
         addresses = {r.address for r in failed}
         for r in marked.recipients:
             if r.address in addresses:
@@ -120,17 +147,17 @@ class DsnNotifier:
         entry: Entry,
         to: str,
         rcpts: list[Recipient],
-        event: dsn.DsnEvent,
+        event: report.DsnEvent,
         now: datetime,
     ) -> None:
         key = "|".join([event.value, to, *(f"{r.address}#{r.attempts}" for r in rcpts)])
         dsn_id = derived_queue_id(entry.id, key)
         report_on = entry if entry.reverse_path else entry.model_copy(update={"reverse_path": to})
         original = await self._original(report_on)
-        message = dsn.build_dsn(
+        message = report.build_dsn(
             report_on,
             rcpts,
-            dsn.action_for(event),
+            report.action_for(event),
             reporting_mta=self.settings.reporting_mta,
             now=now,
             original=original,
@@ -160,23 +187,23 @@ class DsnNotifier:
             "queue=%s dsn=%s action=%s to=<%s> recipients=%s",
             entry.id,
             dsn_id,
-            dsn.action_for(event).value,
+            report.action_for(event).value,
             to,
             ",".join(r.address for r in rcpts),
         )
 
     async def _original(self, entry: Entry) -> bytes:
         """The returned content: the whole message (RET=FULL within the limit) or headers."""
-        full = dsn.returns_full(entry, self.settings.max_returned_size)
+        full = report.returns_full(entry, self.settings.max_returned_size)
         data = bytearray()
         async with contextlib.aclosing(open_entry_body(self.stores.bodies, entry)) as chunks:
             async for chunk in chunks:
                 data += chunk
-                if not full and dsn.header_block(bytes(data)) is not None:
+                if not full and report.header_block(bytes(data)) is not None:
                     break
         if full:
             return bytes(data)
-        return dsn.header_block(bytes(data), complete=True) or b""
+        return report.header_block(bytes(data), complete=True) or b""
 
 
 def _double_bounced(entry: Entry) -> list[Recipient]:

@@ -1,0 +1,18 @@
+"""The ``jsqueue`` command line: :mod:`.commands` holds the typer app (parse, load settings,
+call), :mod:`.render` the text renderers; :func:`main` is the console script
+(``jsqueue = "jsqueue.cli:main"``) and what ``python -m jsqueue`` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def main() -> None:
+    """Console-script entry point: run the command line, exit with its code."""
+    from jsqueue.cli.commands import app
+
+    logging.captureWarnings(True)
+    app(prog_name="jsqueue")
+    sys.exit(0)
