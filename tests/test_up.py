@@ -160,3 +160,35 @@ async def test_kill_9_of_up_takes_its_nats_server_along_and_the_next_start_works
                 await p.wait()
         if nats_pid and _running(nats_pid):
             os.kill(nats_pid, signal.SIGKILL)
+
+
+async def test_nats_command_exits_non_zero_when_its_server_dies(tmp_path: Path) -> None:
+    """``jsqueue nats``: when the nats-server it runs dies, it does not keep running with
+    nothing listening; it exits 1 with one line saying so, for its supervisor."""
+    env, _ = _up_env(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jsqueue",
+        "nats",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        ready = await asyncio.wait_for(proc.stdout.readline(), 60)
+        assert ready.startswith(b"nats-server ready on nats://127.0.0.1:")
+        [nats_pid] = _children(proc.pid)
+        os.kill(nats_pid, signal.SIGKILL)
+        code = await asyncio.wait_for(proc.wait(), 30)
+        err = (await proc.stderr.read()).decode()
+        assert code == 1, err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1] == (
+            "jsqueue: the embedded nats-server died; stopped (start again to recover)"
+        )
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

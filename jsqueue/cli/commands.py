@@ -142,7 +142,11 @@ def nats(
         ),
     ] = False,
 ) -> None:
-    """Run only the embedded nats-server (JetStream, nats.store_dir, nats.port)."""
+    """Run only the embedded nats-server (JetStream, nats.store_dir, nats.port).
+
+    Exits with status 1 as soon as the server dies (with ``--cluster``: once no node is
+    left), so a supervisor sees it and restarts it, as ``jsqueue up`` does.
+    """
     from jsqueue.runtime import embedded_nats
 
     settings = _settings()
@@ -157,11 +161,23 @@ def nats(
                     f"point jsqueue at it: JSQUEUE_NATS__URLS='{json.dumps(nodes.urls)}' "
                     "JSQUEUE_NATS__REPLICAS=3"
                 )
-                await stop.wait()
+                while not stop.is_set():
+                    if not any(node.running for node in nodes.nodes):
+                        raise JsqueueError("every node of the nats cluster died; stopped")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0)
             return
-        async with embedded_nats(settings) as urls:
+        died = asyncio.Event()
+
+        def on_exit() -> None:
+            died.set()
+            stop.set()
+
+        async with embedded_nats(settings, on_exit=on_exit) as urls:
             typer.echo(f"nats-server ready on {', '.join(urls)}")
             await stop.wait()
+        if died.is_set():
+            raise JsqueueError("the embedded nats-server died; stopped (start again to recover)")
 
     _run_until_signal(main)
 
