@@ -455,11 +455,19 @@ def _from_env(where: str) -> str:
 MASK = "**********"
 
 
+def _masked(value: Any) -> bool:
+    """Whether ``value`` holds a masked secret (a password, or a URL with one)."""
+    if isinstance(value, str):
+        return MASK in value
+    return isinstance(value, list) and any(isinstance(v, str) and MASK in v for v in value)
+
+
 def toml_text(data: Mapping[str, Any]) -> str:
     """Settings data (``Settings.model_dump(mode="json")``, secrets masked) as TOML that
     ``--config`` reads back to the same settings: unset values (None) are left out, as
     TOML has no null and their default is unset; masked secrets are left out too, named in
-    a comment (give them through the environment or the file, never through this output).
+    a comment (give them through the environment or the file, never through this output);
+    so is a list holding a URL with a masked password.
 
     Args:
         data: section name -> settings of that section.
@@ -476,7 +484,7 @@ def toml_text(data: Mapping[str, Any]) -> str:
                 where = f"{path}.{k}" if path else str(k)
                 if v is None:
                     continue
-                if v == MASK:
+                if _masked(v):
                     hidden.append(where)
                     continue
                 kept[k] = clean(v, where)

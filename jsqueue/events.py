@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -426,6 +426,8 @@ async def tail(
     since: datetime | None = None,
     from_start: bool = False,
     ready: asyncio.Event | None = None,
+    queue_id: str | None = None,
+    until_end: bool = False,
 ) -> AsyncGenerator[Event, None]:
     """Follow the events stream (an ordered, ephemeral consumer: nothing is acked or kept).
 
@@ -437,6 +439,9 @@ async def tail(
         since: start with the events stored at or after this instant.
         from_start: start with the oldest event kept (the stream keeps 7 days).
         ready: set once the consumer exists (events stored later are certainly seen).
+        queue_id: only the events of this message.
+        until_end: stop once every event stored when the consumer caught up was yielded
+            (no event pending), instead of following forever.
 
     Yields:
         events in stream order, forever (stop by closing the generator); without ``since``
@@ -478,18 +483,36 @@ async def tail(
             try:
                 msg = await sub.next_msg(timeout=1.0)
             except TimeoutError:
+                if until_end and await _caught_up(sub):
+                    return
                 continue
             except nats.errors.Error as e:
                 raise StoreUnavailable(f"events stream {names.events_stream}: {e!r}") from e
             kind = msg.subject[len(prefix) :]
-            if wanted and kind not in wanted:
-                continue
-            try:
-                yield Event.from_json(msg.data)
-            except ValidationError as e:
-                log.warning("events: skipping a non-event on %s: %s", msg.subject, e)
+            if not wanted or kind in wanted:
+                try:
+                    event = Event.from_json(msg.data)
+                except ValidationError as e:
+                    log.warning("events: skipping a non-event on %s: %s", msg.subject, e)
+                else:
+                    if queue_id is None or event.queue_id == queue_id:
+                        yield event
+            if until_end and msg.metadata.num_pending == 0:
+                return
     finally:
         await close_nats(nc)
+
+
+async def _caught_up(sub: Any) -> bool:
+    """Whether the ordered consumer behind ``sub`` has nothing pending (after a quiet
+    second with no message: an empty stream, or a start point past the last event)."""
+    import nats.errors
+
+    try:
+        info = await sub.consumer_info()
+    except (nats.errors.Error, TimeoutError, OSError) as e:
+        raise StoreUnavailable(f"events stream: {e!r}") from e
+    return bool(info.num_pending == 0)
 
 
 def attempt_events(

@@ -5,10 +5,13 @@ events tail, check, and the exit codes (0 ok, 1 runtime failure, 2 usage)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import sys
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvloop
 from test_admin import DEST_ZONE, MESSAGE, RCPT
@@ -20,7 +23,7 @@ from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.jetstream import open_jetstream
 from jsqueue.views import BulkResult, EntryDetail, EntrySummary, Outcome, QueueStats
 from support.mx import SmtpdMx
-from support.nats import make_settings, read_body
+from support.nats import make_entry, make_settings, read_body
 from support.queue import Harness, eventually
 
 TIMEOUT_S = 60.0
@@ -179,6 +182,17 @@ async def test_actions_and_events_tail(
     assert text.code == 0 and text.out.split()[2:4] == ["held", qid]
     assert "by admin:" in text.out
 
+    # --id: one message's history; --until-end: exit once caught up, without --count
+    history = await jsqueue(
+        "events", "tail", "--from-start", "--until-end", "--id", other, "--json", env=env
+    )
+    assert history.code == 0, history.err
+    kinds = [Event.model_validate(x).kind for x in history.json_lines()]
+    assert kinds[-1] is EventKind.DELETED and EventKind.BOUNCED in kinds
+    assert {Event.model_validate(x).queue_id for x in history.json_lines()} == {other}
+    everything = await jsqueue("events", "tail", "--from-start", "--until-end", env=env)
+    assert everything.code == 0 and len(everything.out.splitlines()) > len(kinds)
+
 
 async def test_usage_errors_exit_2(nats_server: EmbeddedNats, names: Names) -> None:
     """Bad usage is one line on stderr and exit code 2, before anything is changed."""
@@ -238,3 +252,106 @@ def test_commands_run_on_uvloop() -> None:
 async def test_in_process_tests_run_on_uvloop() -> None:
     """tests/conftest.py gives in-process tests the loop the processes use."""
     assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+
+
+async def test_ls_into_a_reader_that_goes_away_ends_quietly(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    """``jsqueue queue ls | head -1``: the reader closes the pipe early; jsqueue ends with
+    status 0 and no "Broken pipe" on stderr (more output than a pipe buffers)."""
+    stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+    try:
+        for _ in range(700):
+            await stores.entries.create(make_entry())
+    finally:
+        await stores.close()
+    read_fd, write_fd = os.pipe()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jsqueue", "queue", "ls",
+        env=queue_env(nats_server, names),
+        stdin=asyncio.subprocess.DEVNULL, stdout=write_fd, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as reader:
+        assert reader.readline().startswith(b"-Queue ID-")
+    assert proc.stderr is not None
+    err = await asyncio.wait_for(proc.stderr.read(), TIMEOUT_S)
+    assert await asyncio.wait_for(proc.wait(), TIMEOUT_S) == 0, err
+    assert b"Broken pipe" not in err and b"Traceback" not in err
+
+
+async def test_bulk_action_reads_ids_from_standard_input(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    """``jsqueue queue hold -`` takes the ids from standard input (like ``postsuper -h -``),
+    one per line, the first word of each line, ``queue ls`` marks (``*``, ``!``) allowed;
+    a line that is no queue id is a usage error naming the line."""
+    stores = await open_jetstream(make_settings(), [nats_server.url], names=names)
+    try:
+        ids = [make_entry().id for _ in range(3)]
+        for qid in ids:
+            await stores.entries.create(make_entry(qid))
+        env = queue_env(nats_server, names)
+        text = f"{ids[0]}\n\n{ids[1]}*  4096 Mon\n{ids[2]}!\n".encode()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jsqueue", "queue", "hold", "-", "--json",
+            env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(text), TIMEOUT_S)
+        assert proc.returncode == 0, err
+        result = BulkResult.model_validate_json(out)
+        assert result.counts == {Outcome.DONE: 3}
+        assert sorted(r.queue_id for r in result.results) == sorted(ids)
+        for qid in ids:
+            assert (await stores.entries.get(qid)).entry.held
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jsqueue", "queue", "release", "-",
+            env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(b"-Queue ID- Size\n"), TIMEOUT_S)
+        assert proc.returncode == 2
+        assert err.decode().strip() == ("jsqueue: standard input line 1: not a queue id: '-Queue'")
+    finally:
+        await stores.close()
+
+
+async def test_version() -> None:
+    run = await jsqueue("--version", env=cli_env())
+    assert run.code == 0 and run.out.strip() == f"jsqueue {importlib.metadata.version('jsqueue')}"
+
+
+async def test_config_show_is_toml_that_reads_back_unchanged(tmp_path: Path) -> None:
+    """``config show`` prints valid TOML; given back with ``--config`` it yields the same
+    settings (and the same output), for non-default values of every kind: lists, a table
+    of TLS policies, a nested section, unset values; a secret is left out, named in a
+    comment, never printed."""
+    env = cli_env(
+        JSQUEUE_SMTP__RELAY_NETWORKS="10.0.0.0/8,192.0.2.0/24",
+        JSQUEUE_WORKER__TLS_POLICIES='{"secure.example.test": "required"}',
+        JSQUEUE_WORKER__SMARTHOST__HOST="relay.example.test",
+        JSQUEUE_WORKER__SMARTHOST__PORT="2587",
+        JSQUEUE_WORKER__SMARTHOST__USERNAME="bot",
+        JSQUEUE_WORKER__SMARTHOST__PASSWORD="s3cret",
+        JSQUEUE_NATS__URLS='["nats://a.example.test:4222"]',
+        JSQUEUE_RETRY__BASE_S="42.5",
+    )
+    first = await jsqueue("config", "show", env=env)
+    assert first.code == 0, first.err
+    assert "s3cret" not in first.out and "*****" not in first.out
+    assert "# not shown (secrets): worker.smarthost.password" in first.out
+    data = tomllib.loads(first.out)
+    assert data["worker"]["smarthost"]["port"] == 2587
+    assert data["smtp"]["relay_networks"] == ["10.0.0.0/8", "192.0.2.0/24"]
+    path = tmp_path / "shown.toml"
+    path.write_text(first.out)
+    again = await jsqueue("--config", str(path), "config", "show", env=cli_env())
+    assert again.code == 0, again.err
+    # the same settings, less the secret that was not printed (so not read back either)
+    assert again.out == first.out.split("\n", 1)[1]
+    as_json = await jsqueue("--config", str(path), "config", "show", "--json", env=cli_env())
+    reread = json.loads(as_json.out)
+    assert reread["worker"]["tls_policies"] == {"secure.example.test": "required"}
+    assert reread["retry"]["base_s"] == 42.5

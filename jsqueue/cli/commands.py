@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -32,7 +34,7 @@ from jsqueue.cli.render import (
     render_result,
     render_stats,
 )
-from jsqueue.config import Settings, load_settings
+from jsqueue.config import MASK, Settings, load_settings, toml_text
 from jsqueue.envelope import EntryState, utcnow
 from jsqueue.errors import BodyNotFound, ConfigError, EntryNotFound, InvalidName, JsqueueError
 from jsqueue.events import EventKind, tail
@@ -54,6 +56,15 @@ ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="TOML settings file (else $JSQUEUE_CONFIG)."),
 ]
+
+
+def reader_gone() -> NoReturn:
+    """The reader of our output went away (``jsqueue queue ls | head``): end quietly with
+    status 0, as Unix filters do. Standard output is pointed at /dev/null first, so the
+    flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise typer.Exit(0)
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -86,14 +97,28 @@ def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
     try:
         uvloop.run(runner())
+    except BrokenPipeError:
+        reader_gone()
     except ConfigError as e:
         _fail(f"invalid configuration: {e}", 2)
     except (JsqueueError, OSError) as e:
         _fail(str(e), 1)
 
 
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"jsqueue {importlib.metadata.version('jsqueue')}")
+        raise typer.Exit(0)
+
+
+VersionOption = Annotated[
+    bool,
+    typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+]
+
+
 @app.callback()
-def _main(config: ConfigOption = None) -> None:
+def _main(config: ConfigOption = None, version: VersionOption = False) -> None:
     _state["config"] = config
 
 
@@ -201,7 +226,7 @@ def _hide_url_password(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    netloc = f"{parts.username or ''}:**********@{parts.netloc.rpartition('@')[2]}"
+    netloc = f"{parts.username or ''}:{MASK}@{parts.netloc.rpartition('@')[2]}"
     return urlunsplit(parts._replace(netloc=netloc))
 
 
@@ -215,20 +240,15 @@ def _redacted(settings: Settings) -> dict[str, Any]:
 
 @config_app.command("show")
 def config_show(
-    as_json: Annotated[
-        bool, typer.Option("--json", help="JSON instead of TOML-like text.")
-    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of TOML.")] = False,
 ) -> None:
-    """Print the effective configuration (defaults, file, environment), secrets hidden."""
+    """Print the effective configuration (defaults, file, environment) as TOML that
+    ``--config`` reads back; secrets are left out (named in a comment)."""
     data = _redacted(_settings())
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
-    for section, values in data.items():
-        typer.echo(f"[{section}]")
-        for key, value in values.items():
-            typer.echo(f"{key} = {json.dumps(value)}")
-        typer.echo("")
+    typer.echo(toml_text(data), nl=False)
 
 
 # --------------------------------------------------------------------------- queue
@@ -262,7 +282,10 @@ MinAgeOption = Annotated[
 MaxAgeOption = Annotated[
     str | None, typer.Option("--max-age", help="Only entries at most this old (90s, 15m, 2h, 3d).")
 ]
-IdsArgument = Annotated[list[str] | None, typer.Argument(help="Queue ids.", show_default=False)]
+IdsArgument = Annotated[
+    list[str] | None,
+    typer.Argument(help="Queue ids; '-' reads them from standard input.", show_default=False),
+]
 AllOption = Annotated[bool, typer.Option("--all", help="Every entry still in the queue.")]
 
 
@@ -408,7 +431,12 @@ def _bulk(
     all_: bool,
     as_json: bool,
 ) -> None:
-    """Run ``action`` on the given ids, or on every entry the filter (or --all) selects."""
+    """Run ``action`` on the given ids, or on every entry the filter (or --all) selects;
+    ``-`` as the only id reads the ids from standard input (like ``postsuper -d -``)."""
+    if ids == ["-"]:
+        ids = _ids_from_stdin()
+        if not ids:
+            _fail("no queue ids on standard input", 2)
     if ids and (all_ or not flt.is_empty):
         _fail("give queue ids or a filter / --all, not both", 2)
     if not ids and not all_ and flt.is_empty:
@@ -445,6 +473,23 @@ def _bulk(
     _run_until_signal(main)
     if exit_code:
         raise typer.Exit(exit_code)
+
+
+def _ids_from_stdin() -> list[str]:
+    """Queue ids from standard input: the first word of each non-empty line, without the
+    ``*`` / ``!`` marks ``queue ls`` puts on active and held entries; a word that is no
+    queue id is a usage error (exit 2) naming its line."""
+    ids: list[str] = []
+    for number, line in enumerate(sys.stdin, 1):
+        words = line.split()
+        if not words:
+            continue
+        word = words[0].rstrip("*!")
+        try:
+            ids.append(check_queue_id(word))
+        except InvalidName:
+            _fail(f"standard input line {number}: not a queue id: {words[0][:40]!r}", 2)
+    return ids
 
 
 _BULK_HELP = {
@@ -493,10 +538,22 @@ def events_tail(
     count: Annotated[
         int | None, typer.Option("--count", min=1, help="Exit after N events.")
     ] = None,
+    queue_id: Annotated[
+        str | None, typer.Option("--id", help="Only the events of this queue id.")
+    ] = None,
+    until_end: Annotated[
+        bool,
+        typer.Option("--until-end", help="Exit once the events stored so far are printed."),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Follow the events stream (new events only, unless --since or --from-start)."""
     settings = _settings()
+    if queue_id is not None:
+        try:
+            check_queue_id(queue_id)
+        except InvalidName as e:
+            _fail(str(e), 2)
     try:
         start = utcnow() - timedelta(seconds=parse_duration(since)) if since else None
     except ValueError as e:
@@ -515,6 +572,8 @@ def events_tail(
                 kinds=kinds or (),
                 since=start,
                 from_start=from_start,
+                queue_id=queue_id,
+                until_end=until_end,
             )
             async with contextlib.aclosing(stream) as events:
                 async for event in events:
