@@ -247,6 +247,11 @@ class Names:
         return f"{self.prefix}-locks"
 
     @property
+    def reconciler_lock_key(self) -> str:
+        """Key of the reconciler's lock in :attr:`locks_bucket`."""
+        return "reconciler"
+
+    @property
     def locks_stream(self) -> str:
         """Stream behind the locks bucket (``KV_<prefix>-locks``)."""
         return kv_stream(self.locks_bucket)

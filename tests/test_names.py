@@ -166,6 +166,7 @@ def test_jetstream_wire_names() -> None:
     assert n.entries_stream == "KV_abc-queue"
     assert n.ingest_stream == "KV_abc-ingest"
     assert (n.locks_bucket, n.locks_stream) == ("abc-locks", "KV_abc-locks")
+    assert n.reconciler_lock_key == "reconciler"
     assert js_api_subject("STREAM.INFO.X") == "$JS.API.STREAM.INFO.X"
     assert kv_subject("b", "k") == "$KV.b.k"
     assert kv_subjects("b") == "$KV.b.>"

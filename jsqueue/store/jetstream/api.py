@@ -61,7 +61,7 @@ class ErrCode(IntEnum):
     WRONG_LAST_SEQUENCE = 10071
     #: ``JSConsumerAlreadyExists``: CREATE of an existing consumer with another config.
     CONSUMER_ALREADY_EXISTS = 10148
-    #: ``JSStreamWrongLastSequenceConstantErr``: wrong last sequence (expected 0 form).
+    #: ``JSStreamWrongLastSequenceConstantErr``: wrong last sequence (text without the seq).
     WRONG_LAST_SEQUENCE_CONSTANT = 10164
 
 

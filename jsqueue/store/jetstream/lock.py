@@ -28,9 +28,6 @@ from jsqueue.store.jetstream.api import (
     api_request,
 )
 
-#: Key of the reconciler lock in the locks bucket.
-LOCK_KEY = "reconciler"
-
 
 class JetStreamLock:
     """:class:`~jsqueue.store.base.Lock` as one key of the KV bucket
@@ -49,7 +46,8 @@ class JetStreamLock:
         owner: this process's name; host name + random suffix when None.
         replicas: replica count of the bucket.
         timeout_s: per-request timeout, seconds.
-        key: which lock.
+        key: which lock; :attr:`Names.reconciler_lock_key
+            <jsqueue.names.Names.reconciler_lock_key>` when None.
     """
 
     def __init__(
@@ -61,13 +59,13 @@ class JetStreamLock:
         owner: str | None = None,
         replicas: int = 1,
         timeout_s: float = 5.0,
-        key: str = LOCK_KEY,
+        key: str | None = None,
     ) -> None:
         self._nc = nc
         self.js = nc.jetstream(timeout=timeout_s)
         self.bucket = names.locks_bucket
         self.stream = names.locks_stream
-        self.subject = kv_subject(self.bucket, key)
+        self.subject = kv_subject(self.bucket, key or names.reconciler_lock_key)
         self.ttl_s = max(1, math.ceil(ttl_s))
         self.owner = owner or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.replicas = replicas
