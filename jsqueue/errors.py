@@ -4,15 +4,19 @@
 
     JsqueueError
     ├── ConfigError                 a setting is missing or invalid (names the setting)
+    ├── ListenError                 a listener cannot bind its address (also an OSError)
     ├── InvalidName                 an id / domain / key would break a subject or key
     ├── StoreError                  the storage layer failed
     │   ├── StoreUnavailable        NATS unreachable, timed out, or refused the request
+    │   ├── EntryTooLarge           an entry's stored form exceeds what the store takes
     │   ├── EntryNotFound           no entry under that queue id
+    │   │   └── EntryDeleted        ... and the store knows it was deleted lately
     │   ├── EntryExists             create-if-absent found an entry already there
     │   ├── RevisionConflict        compare-and-set lost: the entry changed meanwhile
     │   ├── BodyNotFound            no body stored under that queue id
     │   └── BodyCorrupt             the stored body does not match its SHA-256 digest
     ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
+    ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
     └── DeliveryError               one delivery attempt failed
         ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
         └── PermanentDeliveryError  give up and bounce (5xx, NXDOMAIN, null MX ...)
@@ -85,6 +89,10 @@ class BodyCorrupt(StoreError):
 
 class ProvisioningError(JsqueueError):
     """An existing bucket, stream or consumer has settings that could not be brought in line."""
+
+
+class LockLost(JsqueueError):
+    """The reconciler lock was lost (or could not be renewed) during a pass."""
 
 
 class DeliveryError(JsqueueError):

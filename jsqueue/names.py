@@ -8,6 +8,8 @@ space) or a KV key raises :class:`~jsqueue.errors.InvalidName` before it reaches
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import re
@@ -102,6 +104,92 @@ def check_domain(domain: str) -> str:
     return d
 
 
+def js_api_subject(request: str) -> str:
+    """Subject of a JetStream API request, e.g. ``STREAM.INFO.<stream>`` →
+    ``$JS.API.STREAM.INFO.<stream>`` (NATS JetStream API reference)."""
+    return f"$JS.API.{request}"
+
+
+def kv_stream(bucket: str) -> str:
+    """Stream behind a KV bucket: ``KV_<bucket>`` (NATS KV wire layout, ADR-8)."""
+    return f"KV_{bucket}"
+
+
+def kv_subject_prefix(bucket: str) -> str:
+    """Subject prefix of a KV bucket's keys, ``$KV.<bucket>.`` (key = what follows it)."""
+    return f"$KV.{bucket}."
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """Subject of one KV key, ``$KV.<bucket>.<key>``; ``key`` is used as given (the stores
+    validate keys before they ask)."""
+    return kv_subject_prefix(bucket) + key
+
+
+def kv_subjects(bucket: str) -> str:
+    """Filter matching every key of a KV bucket, ``$KV.<bucket>.>``."""
+    return kv_subject(bucket, ">")
+
+
+def object_stream(bucket: str) -> str:
+    """Stream behind an object-store bucket: ``OBJ_<bucket>`` (NATS object store, ADR-20)."""
+    return f"OBJ_{bucket}"
+
+
+def object_name_token(name: str) -> str:
+    """An object name as the subject token of its meta message: base64url (padded), as the
+    nats object store encodes it."""
+    return base64.urlsafe_b64encode(name.encode()).decode()
+
+
+def object_meta_prefix(bucket: str) -> str:
+    """Subject prefix of an object-store bucket's meta messages, ``$O.<bucket>.M.``."""
+    return f"$O.{bucket}.M."
+
+
+def object_meta_subject(bucket: str, name: str) -> str:
+    """Subject of one object's meta message, ``$O.<bucket>.M.<base64url(name)>``."""
+    return object_meta_prefix(bucket) + object_name_token(name)
+
+
+def object_name_of_meta_subject(bucket: str, subject: str) -> str | None:
+    """The object name a meta subject (:func:`object_meta_subject`) encodes; None when
+    ``subject`` is not a meta subject of ``bucket`` or its token is not base64url text."""
+    prefix = object_meta_prefix(bucket)
+    if not subject.startswith(prefix):
+        return None
+    try:
+        return base64.urlsafe_b64decode(subject[len(prefix) :]).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def object_chunk_prefix(bucket: str) -> str:
+    """Subject prefix of an object-store bucket's chunks, ``$O.<bucket>.C.``."""
+    return f"$O.{bucket}.C."
+
+
+def object_meta_subjects(bucket: str) -> str:
+    """Filter matching every meta message of an object-store bucket, ``$O.<bucket>.M.>``."""
+    return object_meta_prefix(bucket) + ">"
+
+
+def object_chunk_subjects(bucket: str) -> str:
+    """Filter matching every chunk of an object-store bucket, ``$O.<bucket>.C.>``."""
+    return object_chunk_prefix(bucket) + ">"
+
+
+def object_chunk_subject(bucket: str, nuid: str) -> str:
+    """Subject of the chunks of one stored object version, ``$O.<bucket>.C.<nuid>``."""
+    return object_chunk_prefix(bucket) + nuid
+
+
+def object_token_subjects(bucket: str, token: str) -> str:
+    """Filter matching both the meta and the chunks named ``token``, ``$O.<bucket>.*.<token>``
+    (a chunk set named like its meta: one purge removes both)."""
+    return f"$O.{bucket}.*.{token}"
+
+
 def _subject_domain(domain: str) -> str:
     """A domain as one subject token: dots and colons would split or confuse tokens."""
     return check_domain(domain).replace(".", "_").replace(":", "-").strip("[]")
@@ -129,14 +217,44 @@ class Names:
         return f"{self.prefix}-bodies"
 
     @property
+    def bodies_stream(self) -> str:
+        """Stream behind the bodies bucket (``OBJ_<prefix>-bodies``)."""
+        return object_stream(self.bodies_bucket)
+
+    @property
     def entries_bucket(self) -> str:
         """KV bucket holding queue entries, key = queue id."""
         return f"{self.prefix}-queue"
 
     @property
+    def entries_stream(self) -> str:
+        """Stream behind the entries bucket (``KV_<prefix>-queue``)."""
+        return kv_stream(self.entries_bucket)
+
+    @property
     def ingest_bucket(self) -> str:
         """KV bucket of recently accepted messages by content key (idempotent ingest)."""
         return f"{self.prefix}-ingest"
+
+    @property
+    def ingest_stream(self) -> str:
+        """Stream behind the ingest bucket (``KV_<prefix>-ingest``)."""
+        return kv_stream(self.ingest_bucket)
+
+    @property
+    def locks_bucket(self) -> str:
+        """KV bucket of cluster-wide locks (``<prefix>-locks``), key = lock name."""
+        return f"{self.prefix}-locks"
+
+    @property
+    def reconciler_lock_key(self) -> str:
+        """Key of the reconciler's lock in :attr:`locks_bucket`."""
+        return "reconciler"
+
+    @property
+    def locks_stream(self) -> str:
+        """Stream behind the locks bucket (``KV_<prefix>-locks``)."""
+        return kv_stream(self.locks_bucket)
 
     @property
     def work_stream(self) -> str:
@@ -164,6 +282,17 @@ class Names:
     def work_subjects_of(self, queue_id: str) -> str:
         """Filter matching every work item of one entry (used to cancel them)."""
         return f"{self.prefix}.work.{check_queue_id(queue_id)}.*"
+
+    def queue_id_of_work_subject(self, subject: str) -> str | None:
+        """The queue id in a work subject (``<prefix>.work.<id>.<domain>``), None if
+        ``subject`` is not one (another prefix, wrong shape, not a queue id)."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "work":
+            return None
+        try:
+            return check_queue_id(parts[2])
+        except InvalidName:
+            return None
 
     @property
     def events_stream(self) -> str:

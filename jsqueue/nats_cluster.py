@@ -36,6 +36,7 @@ from nats.aio.client import Client as NATS
 
 from jsqueue.config import NatsSettings
 from jsqueue.errors import JsqueueError
+from jsqueue.names import js_api_subject
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.jetstream import close_nats
 
@@ -361,7 +362,7 @@ class EmbeddedCluster:
             body = {"placement": {"preferred": to}}
             with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
                 await _request(
-                    self.node(leader).url, f"$JS.API.{kind % 'LEADER.STEPDOWN'}", 5.0, body
+                    self.node(leader).url, js_api_subject(kind % "LEADER.STEPDOWN"), 5.0, body
                 )
             await asyncio.sleep(0.2)
         raise JsqueueError(f"{what}: {to} did not become the leader within {timeout_s:g} s")
@@ -374,7 +375,7 @@ class EmbeddedCluster:
                 if not node.running:
                     continue
                 try:
-                    resp = await _request(node.url, f"$JS.API.{api}", 1.0)
+                    resp = await _request(node.url, js_api_subject(api), 1.0)
                 except (nats.errors.Error, OSError, TimeoutError) as e:
                     last = str(e) or type(e).__name__
                     continue
@@ -424,7 +425,7 @@ async def _wait_js_ready(url: str, deadline: float) -> None:
     last = "no answer"
     while True:
         try:
-            resp = await _request(url, "$JS.API.INFO", 1.0)
+            resp = await _request(url, js_api_subject("INFO"), 1.0)
             if "error" not in resp:
                 return
             last = str(resp["error"])

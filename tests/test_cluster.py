@@ -29,7 +29,8 @@ from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_cluster import EmbeddedCluster, cluster_config
 from jsqueue.reconciler import Reconciler, open_reconciler
 from jsqueue.store.base import Stores
-from jsqueue.store.jetstream import JetStreamEntryStore, open_jetstream
+from jsqueue.store.jetstream import open_jetstream
+from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from support.cluster import CountingMx, JsqueueProc, Load, free_port, jsqueue_env, send_load
 from support.dns import DnsServer
 from support.mx import SILENT, shared_port

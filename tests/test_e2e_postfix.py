@@ -35,7 +35,9 @@ from jsqueue.config import NatsSettings
 from jsqueue.envelope import Entry, RecipientState
 from jsqueue.errors import EntryNotFound
 from jsqueue.names import Names
-from jsqueue.store.jetstream import JetStreamEntryStore, JetStreamScheduler, connect_nats
+from jsqueue.store.jetstream import connect_nats
+from jsqueue.store.jetstream.entries import JetStreamEntryStore
+from jsqueue.store.jetstream.work import JetStreamScheduler
 from support.dns import DnsServer
 from support.postfix import (
     SWAKS,

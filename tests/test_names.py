@@ -12,7 +12,16 @@ from jsqueue.names import (
     check_domain,
     check_queue_id,
     derived_queue_id,
+    js_api_subject,
+    kv_subject,
+    kv_subjects,
     new_queue_id,
+    object_chunk_subject,
+    object_chunk_subjects,
+    object_meta_subject,
+    object_meta_subjects,
+    object_name_of_meta_subject,
+    object_token_subjects,
     queue_id_time,
 )
 
@@ -147,3 +156,35 @@ def test_queue_id_time_is_the_creation_time() -> None:
     assert queue_id_time(derived_queue_id(qid, "dsn")) == queue_id_time(qid)
     with pytest.raises(InvalidName):
         queue_id_time("not-an-id")
+
+
+def test_jetstream_wire_names() -> None:
+    """The streams and subjects behind KV and object-store buckets, and the API subjects,
+    as the NATS wire layouts spell them (every module builds them through names.py)."""
+    n = Names("abc")
+    assert n.bodies_stream == "OBJ_abc-bodies"
+    assert n.entries_stream == "KV_abc-queue"
+    assert n.ingest_stream == "KV_abc-ingest"
+    assert (n.locks_bucket, n.locks_stream) == ("abc-locks", "KV_abc-locks")
+    assert n.reconciler_lock_key == "reconciler"
+    assert js_api_subject("STREAM.INFO.X") == "$JS.API.STREAM.INFO.X"
+    assert kv_subject("b", "k") == "$KV.b.k"
+    assert kv_subjects("b") == "$KV.b.>"
+    assert object_chunk_subject("b", "nuid") == "$O.b.C.nuid"
+    assert object_chunk_subjects("b") == "$O.b.C.>"
+    assert object_meta_subjects("b") == "$O.b.M.>"
+    assert object_token_subjects("b", "t") == "$O.b.*.t"
+    meta = object_meta_subject("b", VALID_ID)
+    assert meta.startswith("$O.b.M.")
+    assert object_name_of_meta_subject("b", meta) == VALID_ID
+    assert object_name_of_meta_subject("other", meta) is None
+    assert object_name_of_meta_subject("b", "$O.b.M.abc") is None  # bad padding
+    assert object_name_of_meta_subject("b", "$O.b.M._w==") is None  # not UTF-8
+
+
+def test_queue_id_of_work_subject_inverts_work_subject() -> None:
+    n = Names("abc")
+    assert n.queue_id_of_work_subject(n.work_subject(VALID_ID, "example.com")) == VALID_ID
+    assert Names("xyz").queue_id_of_work_subject(n.work_subject(VALID_ID, "a.b")) is None
+    assert n.queue_id_of_work_subject("abc.work.not-an-id.example_com") is None
+    assert n.queue_id_of_work_subject("abc.events.delivered") is None

@@ -17,17 +17,11 @@ from jsqueue.envelope import Entry, Lease, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
-from jsqueue.reconciler import (
-    Action,
-    ActionKind,
-    JetStreamInventory,
-    JetStreamLock,
-    Reconciler,
-    open_reconciler,
-    review,
-)
+from jsqueue.reconciler import Action, ActionKind, Reconciler, open_reconciler, review
 from jsqueue.store.base import Stores
-from jsqueue.store.jetstream import JetStreamEntryStore
+from jsqueue.store.jetstream.entries import JetStreamEntryStore
+from jsqueue.store.jetstream.inventory import JetStreamInventory
+from jsqueue.store.jetstream.lock import JetStreamLock
 from support.cluster import JsqueueProc, free_port, jsqueue_env
 from support.mx import SmtpdMx
 from support.nats import chunks_of, make_entry

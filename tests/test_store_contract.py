@@ -39,7 +39,7 @@ from jsqueue.store.base import (
     open_entry_body,
 )
 from jsqueue.store.cache import UNCACHED_MAX, CachedBodyStore
-from jsqueue.store.jetstream import JetStreamBodyStore
+from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from support.nats import (
     ACK_WAIT_S,
     backlog_is,

@@ -20,7 +20,8 @@ from jsqueue.admin import Admin
 from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import new_queue_id
-from jsqueue.store.jetstream import JetStreamBodyStore, JetStreamEntryStore
+from jsqueue.store.jetstream.bodies import JetStreamBodyStore
+from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.views import Outcome
 from support.cases import case_message, case_text
 from support.frontend import split_body

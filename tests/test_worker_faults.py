@@ -18,7 +18,7 @@ from test_worker import SENDER_ZONE, dsn_parts, gone
 
 from jsqueue.envelope import Entry, Recipient, RecipientState
 from jsqueue.nats_server import EmbeddedNats
-from jsqueue.store.jetstream import JetStreamDue
+from jsqueue.store.jetstream.work import JetStreamDue
 from jsqueue.worker import BodySource, Worker
 from support.cases import case_message, case_text
 from support.mx import SILENT, ScriptedMx, SmtpdMx

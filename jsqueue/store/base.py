@@ -1,4 +1,5 @@
-"""The pluggable storage layer: body store, entry store and scheduler (Protocols).
+"""The pluggable storage layer: body store, entry store, scheduler and ingest log, and the
+reconciler's inventory and lock (Protocols).
 
 Each Protocol has a JetStream implementation (:mod:`jsqueue.store.jetstream`) and an
 in-memory one (:mod:`jsqueue.store.memory`) with the same semantics, revision conflicts
@@ -312,6 +313,89 @@ class IngestLog(Protocol):
             InvalidName: bad key or queue id.
             StoreUnavailable.
         """
+        ...
+
+
+class Inventory(Protocol):
+    """Cheap listings of what the queue's streams hold (no value reads, no consumers), for
+    the reconciler (:mod:`jsqueue.reconciler`); JetStream:
+    :mod:`jsqueue.store.jetstream.inventory`."""
+
+    async def entry_ids(self) -> set[str]:
+        """Keys of the entries bucket (recently deleted keys may be included).
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def work_subjects(self, queue_id: str | None = None) -> set[str]:
+        """Work-stream subjects holding at least one item (of one entry when given).
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def body_ids(self) -> set[str]:
+        """Queue ids that have a stored body.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def body_stored_at(self, queue_id: str) -> datetime | None:
+        """When the body was stored (UTC), None when there is none.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def orphan_chunks(self, stored_before: datetime, *, thorough: bool) -> list[str]:
+        """Chunk sets no body refers to, stored before ``stored_before``.
+
+        Args:
+            stored_before: only chunk sets whose first chunk is older.
+            thorough: read every body's meta even when the counts look consistent.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def delete_chunks(self, chunk_set: str) -> None:
+        """Remove one chunk set. Idempotent.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+
+class Lock(Protocol):
+    """A lease on being the one reconciler of the cluster; JetStream:
+    :mod:`jsqueue.store.jetstream.lock`."""
+
+    async def acquire(self) -> bool:
+        """Take (or keep) the lock; True when this process holds it now.
+
+        Raises:
+            StoreUnavailable: the answer is unknown (try again later).
+        """
+        ...
+
+    async def renew(self) -> bool:
+        """Extend the lock by its TTL; False when it was lost to someone else.
+
+        Raises:
+            StoreUnavailable: the answer is unknown.
+        """
+        ...
+
+    async def release(self) -> None:
+        """Give the lock up (if held). Best effort: it expires on its own anyway."""
         ...
 
 

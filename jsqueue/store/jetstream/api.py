@@ -1,0 +1,259 @@
+"""Talking to JetStream: the one API request helper, the one table of server error codes,
+publishing with retries, and the translation of nats errors into
+:class:`~jsqueue.errors.StoreUnavailable` at this boundary (``raise … from e``); every other
+module of :mod:`jsqueue.store.jetstream` goes through these (docs/architecture.md, "Storage
+on JetStream": why a failed write's outcome is unknown and how retries stay safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from enum import IntEnum
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+
+from jsqueue.errors import StoreUnavailable
+from jsqueue.names import js_api_subject
+
+log = logging.getLogger("jsqueue.store.jetstream")
+
+#: Tries of a publish that timed out (same Nats-Msg-Id each time); the retries go on for
+#: this many request timeouts in all (:func:`publish`).
+PUBLISH_ATTEMPTS = 3
+#: Pause before the first retry of a publish, seconds; doubled per retry up to the max.
+RETRY_PAUSE_S = 0.25
+#: Longest pause between retries of a publish, seconds.
+RETRY_PAUSE_MAX_S = 1.0
+#: Nanoseconds per second (JetStream's durations on the wire).
+NS = 1_000_000_000
+
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_EXPECTED_LAST_SUBJ_SEQ = "Nats-Expected-Last-Subject-Sequence"
+HDR_ROLLUP = "Nats-Rollup"
+HDR_TTL = "Nats-TTL"
+HDR_KV_OP = "KV-Operation"
+HDR_MARKER_REASON = "Nats-Marker-Reason"
+
+
+class ErrCode(IntEnum):
+    """JetStream API error codes (``err_code``) jsqueue acts on; names and numbers as in
+    nats-server's ``server/errors.json``."""
+
+    #: ``JSClusterNoPeersErrF``: no suitable peers for placement (R3 before peers are seen).
+    CLUSTER_NO_PEERS = 10005
+    #: ``JSConsumerNameExistErr``: consumer name already in use.
+    CONSUMER_NAME_EXISTS = 10013
+    #: ``JSInsufficientResourcesErr``: insufficient resources.
+    INSUFFICIENT_RESOURCES = 10023
+    #: ``JSNoMessageFoundErr``: no message found (nats-py raises NotFoundError for it).
+    NO_MESSAGE_FOUND = 10037
+    #: ``JSStreamNameExistErr``: stream name already in use (with another config).
+    STREAM_NAME_IN_USE = 10058
+    #: ``JSStreamWrongLastSequenceErrF``: wrong last sequence (a compare-and-set lost).
+    WRONG_LAST_SEQUENCE = 10071
+    #: ``JSConsumerAlreadyExists``: CREATE of an existing consumer with another config.
+    CONSUMER_ALREADY_EXISTS = 10148
+    #: ``JSStreamWrongLastSequenceConstantErr``: wrong last sequence (text without the seq).
+    WRONG_LAST_SEQUENCE_CONSTANT = 10164
+
+
+#: A compare-and-set on the subject's last sequence was refused.
+WRONG_LAST_SEQ = frozenset({ErrCode.WRONG_LAST_SEQUENCE, ErrCode.WRONG_LAST_SEQUENCE_CONSTANT})
+#: The consumer exists already (created concurrently).
+CONSUMER_EXISTS = frozenset({ErrCode.CONSUMER_NAME_EXISTS, ErrCode.CONSUMER_ALREADY_EXISTS})
+#: Transient in a cluster whose peers are still coming online.
+NO_PLACEMENT = frozenset({ErrCode.CLUSTER_NO_PEERS, ErrCode.INSUFFICIENT_RESOURCES})
+
+#: Failures worth retrying with the same message id.
+RETRYABLE = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, asyncio.TimeoutError)
+#: Everything the nats client, a timeout or a socket may raise.
+NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError, OSError)
+
+
+class ApiError(Exception):
+    """The JetStream API answered a request with an error.
+
+    Attributes:
+        code: the HTTP-like status (404, 503 …).
+        err_code: the JetStream error code (:class:`ErrCode`).
+        description: the server's text.
+    """
+
+    def __init__(self, err: dict[str, Any]) -> None:
+        self.code = int(err.get("code", 0))
+        self.err_code = int(err.get("err_code", 0))
+        self.description = str(err.get("description", "unknown error"))
+        super().__init__(f"{self.description} (status {self.code}, error {self.err_code})")
+
+
+def describe(e: BaseException) -> str:
+    """A one-line text for a nats (or any) error, with the JetStream codes when it has them."""
+    if isinstance(e, nats.js.errors.APIError):
+        return f"{e.description} (status {e.code}, error {e.err_code})"
+    return str(e) or type(e).__name__
+
+
+def unavailable(what: str, e: BaseException) -> StoreUnavailable:
+    """The StoreUnavailable for a failure of ``what`` (to raise ``from e``)."""
+    return StoreUnavailable(f"{what}: {describe(e)}")
+
+
+@contextlib.contextmanager
+def translate(what: str) -> Iterator[None]:
+    """Turn nats, timeout and socket errors into StoreUnavailable naming ``what``.
+
+    Raises:
+        StoreUnavailable: the body raised one of :data:`NATS_FAILURES`.
+    """
+    try:
+        yield
+    except NATS_FAILURES as e:
+        raise unavailable(what, e) from e
+
+
+def is_wrong_last_seq(e: BaseException) -> bool:
+    """Whether ``e`` is a refused compare-and-set (:data:`WRONG_LAST_SEQ`)."""
+    return isinstance(e, nats.js.errors.APIError) and e.err_code in WRONG_LAST_SEQ
+
+
+def is_temporary(e: BaseException) -> bool:
+    """A failure worth retrying with the same message id: timeout, no responder, 503."""
+    if isinstance(e, RETRYABLE):
+        return True
+    return isinstance(e, nats.js.errors.APIError) and e.code == 503
+
+
+async def api_request(nc: NATS, request: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+    """One JetStream API request (``$JS.API.<request>``); raw JSON in and out so unknown
+    server fields survive.
+
+    Args:
+        nc: a connected client.
+        request: the API request without the prefix, e.g. ``STREAM.INFO.<stream>``.
+        body: the request's JSON body; None sends an empty payload.
+        timeout_s: how long to wait for the answer, seconds.
+
+    Returns:
+        the decoded JSON answer.
+
+    Raises:
+        ApiError: the server answered with an error.
+        StoreUnavailable: no answer within ``timeout_s``, the connection failed, or no
+            responder (JetStream not enabled or not available).
+    """
+    data = json.dumps(body).encode() if body is not None else b""
+    try:
+        msg = await nc.request(js_api_subject(request), data, timeout=timeout_s)
+    except nats.errors.NoRespondersError as e:
+        raise StoreUnavailable("JetStream is not enabled or not available on this server") from e
+    except NATS_FAILURES as e:
+        raise unavailable(f"JetStream API {request}", e) from e
+    resp = json.loads(msg.data)
+    if "error" in resp:
+        raise ApiError(resp.get("error") or {})
+    return resp
+
+
+async def stream_subjects(
+    nc: NATS, stream: str, subjects_filter: str, timeout_s: float, *, what: str | None = None
+) -> dict[str, int]:
+    """Subjects of ``stream`` matching ``subjects_filter`` that hold messages, with counts.
+
+    Stream-info requests paged by the server (100k subjects each); no consumer is made.
+    Read-only, so safe to repeat.
+
+    Args:
+        nc: a connected client.
+        stream: the stream's name.
+        subjects_filter: a subject filter (wildcards allowed).
+        timeout_s: per-request timeout, seconds.
+        what: names the listing in errors; ``stream <stream>: list subjects`` when None.
+
+    Returns:
+        subject → number of messages stored on it.
+
+    Raises:
+        StoreUnavailable: no answer, or the server refused the request (e.g. no such
+            stream).
+    """
+    found: dict[str, int] = {}
+    offset = 0
+    while True:
+        body = {"subjects_filter": subjects_filter, "offset": offset}
+        try:
+            resp = await api_request(nc, f"STREAM.INFO.{stream}", body, timeout_s)
+        except ApiError as e:
+            raise StoreUnavailable(f"{what or f'stream {stream}: list subjects'}: {e}") from e
+        subjects = resp.get("state", {}).get("subjects") or {}
+        found.update(subjects)
+        offset += len(subjects)
+        if not subjects or offset >= int(resp.get("total", 0)):
+            return found
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str],
+    *,
+    what: str,
+    attempts: int = PUBLISH_ATTEMPTS,
+    budget_s: float = PUBLISH_ATTEMPTS * 5.0,
+) -> api.PubAck:
+    """Publish to a stream, retrying temporary failures with the same headers (so the same
+    msg id): timeouts, no responders (no stream leader: an election, ~4–9 s, DESIGN.md §6)
+    and 503s. Retries stop once ``attempts`` tries failed *and* ``budget_s`` seconds have
+    passed, whichever comes later; pauses grow from :data:`RETRY_PAUSE_S` to
+    :data:`RETRY_PAUSE_MAX_S`. Idempotent when ``headers`` carry a ``Nats-Msg-Id`` (within
+    the stream's dedupe window) or an expected last sequence.
+
+    Args:
+        js: the JetStream context to publish with.
+        subject: the stream subject.
+        payload: the message body, octets.
+        headers: message headers (sent unchanged on every try).
+        what: names the write in errors and logs.
+        attempts: tries at least.
+        budget_s: time the retries may take in all, seconds.
+
+    Returns:
+        the stream's acknowledgement (stream, sequence).
+
+    Raises:
+        nats.js.errors.APIError: the stream refused the message (not a temporary failure).
+        StoreUnavailable: every attempt timed out or found no stream leader, or the
+            connection failed.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    pause = RETRY_PAUSE_S
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await js.publish(subject, payload, headers=dict(headers))
+        except nats.js.errors.APIError as e:
+            if not is_temporary(e):
+                raise
+            last: BaseException = e
+        except RETRYABLE as e:
+            last = e
+        except nats.errors.Error as e:
+            raise unavailable(what, e) from e
+        if attempt >= attempts and loop.time() + pause >= deadline:
+            break
+        level = logging.WARNING if attempt == 1 else logging.DEBUG
+        log.log(level, "%s: attempt %d failed (%s); retrying", what, attempt, describe(last))
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, RETRY_PAUSE_MAX_S)
+    log.warning("%s: giving up after %d attempts: %s", what, attempt, describe(last))
+    raise unavailable(what, last) from last

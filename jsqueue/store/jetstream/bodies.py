@@ -1,0 +1,385 @@
+"""Bodies: :class:`JetStreamBodyStore`, the body store on a JetStream object store, written
+in the nats object-store wire format and read chunk by chunk with direct gets, so that no
+read creates a consumer (DESIGN.md §7: ``ObjectStore.get`` leaves one behind per read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+from collections import OrderedDict, deque
+from collections.abc import AsyncGenerator, AsyncIterable
+from datetime import UTC, datetime
+from typing import Any
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.nuid import NUID
+
+from jsqueue.errors import BodyCorrupt, BodyNotFound
+from jsqueue.names import (
+    Names,
+    check_queue_id,
+    object_chunk_subject,
+    object_meta_subject,
+    object_name_token,
+    object_token_subjects,
+)
+from jsqueue.store.base import BodyInfo
+from jsqueue.store.jetstream.api import (
+    HDR_EXPECTED_LAST_SUBJ_SEQ,
+    HDR_ROLLUP,
+    NATS_FAILURES,
+    RETRYABLE,
+    describe,
+    is_wrong_last_seq,
+    translate,
+    unavailable,
+)
+
+log = logging.getLogger("jsqueue.store.jetstream")
+
+#: Object-store chunk size, octets (DESIGN.md §7: 256 KiB–1 MiB beat the 128 KiB default).
+CHUNK_SIZE = 512 * 1024
+#: Chunk publishes in flight per body put.
+PUT_WINDOW = 4
+#: Bodies whose chunk-set nuid a body store remembers after opening them (for delete).
+OPENED_MEMORY = 4096
+
+
+class _SourceFailed(Exception):
+    """The body's chunk stream (the caller's) raised; the cause is re-raised unchanged."""
+
+
+def _hex_digest(object_digest: str) -> str:
+    """``SHA-256=<base64url>`` (object-store meta) → lower-case hex."""
+    raw = object_digest.split("=", 1)[1] if object_digest.upper().startswith("SHA-256=") else ""
+    try:
+        return base64.urlsafe_b64decode(raw).hex()
+    except ValueError:
+        return ""
+
+
+class JetStreamBodyStore:
+    """:class:`~jsqueue.store.base.BodyStore` on a JetStream object store.
+
+    Bodies are written in the nats object-store format (chunks on ``$O.<bucket>.C.<nuid>``,
+    one meta message on ``$O.<bucket>.M.<base64url(queue id)>``), so ``nats object`` tools
+    can read them. Reads never create a consumer (DESIGN.md §7: every ``ObjectStore.get``
+    leaves an ephemeral consumer behind): the meta by direct get-last, then each chunk by
+    direct get-next-by-subject. Deleting removes chunks and meta without leaving a marker.
+
+    Args:
+        nc: a connected client.
+        names: object names.
+        timeout_s: per-request timeout, seconds.
+        chunk_size: chunk size, octets (capped at the server's max payload).
+    """
+
+    def __init__(
+        self, nc: NATS, names: Names, *, timeout_s: float = 5.0, chunk_size: int = CHUNK_SIZE
+    ) -> None:
+        self.js = nc.jetstream(timeout=timeout_s)
+        self.bucket = names.bodies_bucket
+        self.stream = names.bodies_stream
+        self._nc = nc
+        self._timeout_s = timeout_s
+        self._chunk_size = chunk_size
+        self._nuid = NUID()
+        # Chunk-set nuid of bodies this process opened lately: delete() of a body just
+        # delivered then needs no meta read (one round trip less per message).
+        self._opened: OrderedDict[str, str] = OrderedDict()
+
+    def meta_subject(self, queue_id: str) -> str:
+        """Subject of a body's meta message."""
+        return object_meta_subject(self.bucket, queue_id)
+
+    def chunk_subject(self, nuid: str) -> str:
+        """Subject of the chunks of one stored version of a body."""
+        return object_chunk_subject(self.bucket, nuid)
+
+    async def meta(self, queue_id: str) -> dict[str, Any] | None:
+        """The stored meta record of a body (object-store JSON), None when absent/deleted.
+
+        Raises:
+            BodyCorrupt: the meta record cannot be parsed.
+            StoreUnavailable.
+        """
+        with translate(f"body {queue_id}: read meta"):
+            try:
+                msg = await self.js.get_msg(
+                    self.stream, subject=self.meta_subject(queue_id), direct=True
+                )
+            except nats.js.errors.NotFoundError:
+                return None
+        try:
+            meta = json.loads(msg.data or b"{}")
+        except ValueError as e:
+            raise BodyCorrupt(f"body {queue_id}: object meta is not JSON") from e
+        if not isinstance(meta, dict):
+            raise BodyCorrupt(f"body {queue_id}: object meta is not a JSON object")
+        if meta.get("deleted"):
+            return None
+        if not (
+            isinstance(meta.get("nuid"), str)
+            and isinstance(meta.get("digest"), str)
+            and isinstance(meta.get("size", 0), int)
+            and isinstance(meta.get("chunks", 0), int)
+        ):
+            raise BodyCorrupt(f"body {queue_id}: object meta lacks nuid/digest/size/chunks")
+        return meta
+
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
+        """See :meth:`BodyStore.put`. Holds at most ``PUT_WINDOW`` chunks in memory.
+
+        A ``fresh`` body's chunk set is named like its meta (``$O.<bucket>.C.<token>`` beside
+        ``$O.<bucket>.M.<token>``), so :meth:`delete` purges both with one wildcard filter;
+        any other gets a random chunk-set name, as the object store does.
+        """
+        check_queue_id(queue_id)
+        self._opened.pop(queue_id, None)
+        nuid = object_name_token(queue_id) if fresh else self._nuid.next().decode()
+        subject = self.chunk_subject(nuid)
+        size = max(1, min(self._chunk_size, self._nc.max_payload or self._chunk_size))
+        digest = hashlib.sha256()
+        total = count = 0
+        buf = bytearray()
+        pending: deque[asyncio.Future[api.PubAck]] = deque()
+        what = f"body {queue_id}: store"
+        source = aiter(chunks)
+        try:
+            while True:
+                try:
+                    piece = await anext(source)
+                except StopAsyncIteration:
+                    break
+                except BaseException as e:
+                    raise _SourceFailed() from e
+                digest.update(piece)
+                total += len(piece)
+                buf += piece
+                while len(buf) >= size:
+                    await self._send(subject, bytes(buf[:size]), pending)
+                    del buf[:size]
+                    count += 1
+            if buf:
+                await self._send(subject, bytes(buf), pending)
+                count += 1
+            meta = {
+                "name": queue_id,
+                "bucket": self.bucket,
+                "nuid": nuid,
+                "size": total,
+                "chunks": count,
+                "digest": "SHA-256=" + base64.urlsafe_b64encode(digest.digest()).decode(),
+                "mtime": datetime.now(UTC).isoformat(),
+                "options": {"max_chunk_size": size},
+            }
+            # The meta goes out right behind the last chunks, before their acks are in: one
+            # connection, one stream, so it is stored after them (a round trip less per
+            # body). Should a chunk fail after all, a stored meta is taken back.
+            meta_put = asyncio.ensure_future(self._put_meta(queue_id, meta))
+            try:
+                while pending:
+                    await asyncio.wait_for(pending.popleft(), self._timeout_s)
+            except BaseException:
+                await self._withdraw_meta(queue_id, meta_put)
+                raise
+            await meta_put
+        except _SourceFailed as e:
+            # The caller's stream failed (client gone, size limit ...): its error, not ours.
+            await self._discard(subject, pending)
+            assert e.__cause__ is not None
+            raise e.__cause__ from None
+        except NATS_FAILURES as e:
+            await self._discard(subject, pending)
+            raise unavailable(what, e) from e
+        except BaseException:
+            await self._discard(subject, pending)
+            raise
+        return BodyInfo(size=total, digest=digest.hexdigest())
+
+    async def _send(
+        self, subject: str, data: bytes, pending: deque[asyncio.Future[api.PubAck]]
+    ) -> None:
+        # publish_async writes in call order, so the chunks are stored in order.
+        pending.append(await self.js.publish_async(subject, data))
+        if len(pending) >= PUT_WINDOW:
+            await asyncio.wait_for(pending.popleft(), self._timeout_s)
+
+    async def _put_meta(self, queue_id: str, meta: dict[str, Any]) -> None:
+        subject = self.meta_subject(queue_id)
+        data = json.dumps(meta).encode()
+        try:
+            # Fast path: no body under this id yet (queue ids are unique).
+            await self.js.publish(
+                subject, data, headers={HDR_ROLLUP: "sub", HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
+            )
+            return
+        except nats.js.errors.APIError as e:
+            if not is_wrong_last_seq(e):
+                raise
+        except RETRYABLE:
+            # Ambiguous: the meta may have been stored. Ours if it carries our nuid.
+            current = await self.meta(queue_id)
+            if current is not None and current.get("nuid") == meta["nuid"]:
+                return
+            raise
+        old = await self.meta(queue_id)
+        await self.js.publish(subject, data, headers={HDR_ROLLUP: "sub"})
+        if old is not None and old.get("nuid") != meta["nuid"]:
+            await self.js.purge_stream(self.stream, subject=self.chunk_subject(old["nuid"]))
+
+    async def _withdraw_meta(self, queue_id: str, meta_put: asyncio.Future[None]) -> None:
+        """A chunk failed after the meta was sent: remove the meta if it was stored."""
+        try:
+            await meta_put
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return  # the meta was not stored either: nothing to take back
+        try:
+            await self.js.purge_stream(self.stream, subject=self.meta_subject(queue_id))
+        except NATS_FAILURES as e:
+            log.warning("could not remove the meta of failed body %s: %s", queue_id, describe(e))
+
+    async def _discard(self, subject: str, pending: deque[asyncio.Future[api.PubAck]]) -> None:
+        for fut in pending:
+            fut.cancel()
+        try:
+            await self.js.purge_stream(self.stream, subject=subject)
+        except NATS_FAILURES as e:
+            log.warning("could not remove chunks %s of a failed put: %s", subject, describe(e))
+
+    async def open(
+        self, queue_id: str, *, expect: BodyInfo | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """See :meth:`BodyStore.open`. Each chunk is one direct get; no consumer is made.
+
+        With ``expect``, the chunks of a fresh body (:meth:`put`) are read without the
+        meta record (one round trip less); when there are none under that name (a body
+        stored otherwise, an empty one, or none at all) the meta is read as usual.
+        """
+        check_queue_id(queue_id)
+        first: api.RawStreamMsg | None = None
+        if expect is not None and expect.size > 0:
+            first = await self._chunk(queue_id, self.chunk_subject(object_name_token(queue_id)), 1)
+        if first is not None:
+            assert expect is not None
+            nuid = object_name_token(queue_id)
+            chunks = self._chunks(queue_id, nuid, expect.size, expect.digest, None, first)
+        else:
+            meta = await self.meta(queue_id)
+            if meta is None:
+                raise BodyNotFound(queue_id)
+            nuid = meta["nuid"]
+            stored = BodyInfo(size=int(meta.get("size") or 0), digest=_hex_digest(meta["digest"]))
+            if expect is not None and expect != stored:
+                raise BodyCorrupt(f"body {queue_id}: not the expected size and digest")
+            n_chunks = int(meta.get("chunks") or 0)
+            chunks = self._chunks(queue_id, nuid, stored.size, stored.digest, n_chunks)
+        self._remember(queue_id, nuid)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def _remember(self, queue_id: str, nuid: str) -> None:
+        """Note the chunk set of a body being read, for :meth:`delete`."""
+        self._opened[queue_id] = nuid
+        self._opened.move_to_end(queue_id)
+        if len(self._opened) > OPENED_MEMORY:
+            self._opened.popitem(last=False)
+
+    async def _chunk(self, queue_id: str, subject: str, seq: int) -> api.RawStreamMsg | None:
+        """The first chunk on ``subject`` at or after ``seq``; None when there is none."""
+        with translate(f"body {queue_id}: read chunk"):
+            try:
+                msg: api.RawStreamMsg = await self.js.get_msg(
+                    self.stream, seq=seq, subject=subject, next=True, direct=True
+                )
+                return msg
+            except nats.js.errors.NotFoundError:
+                return None
+
+    async def _chunks(
+        self,
+        queue_id: str,
+        nuid: str,
+        size: int,
+        expected: str,
+        n_chunks: int | None,
+        first: api.RawStreamMsg | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """The chunks of set ``nuid`` in order (``n_chunks`` of them, or None: until
+        ``size`` octets arrived; ``first`` already fetched), the size and hex SHA-256
+        ``expected`` checked before the last one is yielded."""
+        subject = self.chunk_subject(nuid)
+        digest = hashlib.sha256()
+        seq = 1
+        got = count = 0
+        msg = first
+        held: bytes | None = None  # each chunk is yielded once the next one is in hand
+        while count < n_chunks if n_chunks is not None else got < size:
+            if msg is None:
+                msg = await self._chunk(queue_id, subject, seq)
+            if msg is None:
+                now = await self.meta(queue_id)
+                if now is None or now.get("nuid") != nuid:
+                    raise BodyNotFound(f"{queue_id} (deleted or replaced while reading)")
+                raise BodyCorrupt(f"body {queue_id}: chunk {count + 1} is missing")
+            assert msg.seq is not None
+            seq = msg.seq + 1
+            data = msg.data or b""
+            if not data and n_chunks is None:
+                raise BodyCorrupt(f"body {queue_id}: empty chunk")
+            digest.update(data)
+            got += len(data)
+            count += 1
+            msg = None
+            if held is not None:
+                yield held
+            held = data
+        if got != size or digest.hexdigest() != expected:
+            raise BodyCorrupt(f"body {queue_id}: digest or size mismatch")
+        if held is not None:
+            yield held
+
+    async def info(self, queue_id: str) -> BodyInfo:
+        """See :meth:`BodyStore.info`."""
+        check_queue_id(queue_id)
+        meta = await self.meta(queue_id)
+        if meta is None:
+            raise BodyNotFound(queue_id)
+        return BodyInfo(size=int(meta.get("size") or 0), digest=_hex_digest(meta["digest"]))
+
+    async def delete(self, queue_id: str) -> None:
+        """See :meth:`BodyStore.delete`. A fresh body's meta and chunks go in one purge;
+        otherwise chunks go first, so a retried delete finishes.
+
+        The chunk set is the one this process last opened under ``queue_id`` when it
+        remembers one, else the meta record is read. (Should another process have stored
+        the body anew in between, its chunks are left without meta, which the reconciler
+        purges.)
+        """
+        check_queue_id(queue_id)
+        nuid = self._opened.pop(queue_id, None)
+        if nuid is None:
+            meta = await self.meta(queue_id)
+            nuid = meta["nuid"] if meta is not None else None
+        with translate(f"body {queue_id}: delete"):
+            if nuid == object_name_token(queue_id):  # a fresh body: meta and chunks in one purge
+                await self.js.purge_stream(
+                    self.stream, subject=object_token_subjects(self.bucket, nuid)
+                )
+                return
+            if nuid is not None:
+                await self.js.purge_stream(self.stream, subject=self.chunk_subject(nuid))
+            await self.js.purge_stream(self.stream, subject=self.meta_subject(queue_id))

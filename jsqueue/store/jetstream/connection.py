@@ -1,0 +1,195 @@
+"""Connection: :func:`connect_nats` (a client that reconnects forever across node loss),
+:func:`open_jetstream` (connect, provision, and the four JetStream stores on one
+connection), the read-only health probe :func:`queue_backlog`, and :func:`close_nats`, which
+closes a client whatever state it is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from jsqueue.config import NatsSettings
+from jsqueue.errors import ConfigError, ProvisioningError, StoreUnavailable
+from jsqueue.names import Names
+from jsqueue.store.base import Stores
+from jsqueue.store.jetstream.api import NATS_FAILURES, describe, translate
+from jsqueue.store.jetstream.bodies import JetStreamBodyStore
+from jsqueue.store.jetstream.entries import JetStreamEntryStore
+from jsqueue.store.jetstream.ingest import JetStreamIngestLog
+from jsqueue.store.jetstream.provisioning import provision
+from jsqueue.store.jetstream.work import JetStreamScheduler
+
+log = logging.getLogger("jsqueue.store.jetstream")
+
+#: nats-py reconnect pause per server, seconds.
+RECONNECT_WAIT_S = 0.5
+
+
+async def connect_nats(settings: NatsSettings, urls: list[str]) -> NATS:
+    """Connect to NATS; the connection then reconnects forever (node loss, restarts).
+
+    Args:
+        settings: credentials and timeouts.
+        urls: server URLs (several for a cluster).
+
+    Raises:
+        StoreUnavailable: no server accepted a connection within ``connect_timeout_s``
+            seconds per URL.
+    """
+    nc = NATS()
+    errors: list[BaseException] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+        log.warning("nats: %s", describe(e))
+
+    async def on_disconnected() -> None:
+        if not nc.is_closed:
+            log.warning("nats: disconnected")
+
+    async def on_reconnected() -> None:
+        log.warning("nats: reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
+
+    options: dict[str, Any] = {
+        "servers": urls,
+        "name": "jsqueue",
+        "connect_timeout": settings.connect_timeout_s,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": RECONNECT_WAIT_S,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnected,
+        "reconnected_cb": on_reconnected,
+    }
+    if settings.user:
+        options["user"] = settings.user
+    if settings.password:
+        options["password"] = settings.password.get_secret_value()
+    if settings.creds_file:
+        options["user_credentials"] = str(settings.creds_file)
+    budget_s = settings.connect_timeout_s * max(1, len(urls))
+    try:
+        await asyncio.wait_for(nc.connect(**options), timeout=budget_s)
+    except (TimeoutError, *NATS_FAILURES) as e:
+        await close_nats(nc)
+        cause = describe(errors[-1]) if errors else describe(e)
+        raise StoreUnavailable(
+            f"cannot connect to NATS at {', '.join(urls)} within {budget_s:g} s: {cause}"
+        ) from e
+    return nc
+
+
+async def open_jetstream(
+    settings: NatsSettings, urls: list[str] | None = None, *, names: Names | None = None
+) -> Stores:
+    """Connect, provision and return the JetStream body store, entry store, scheduler and
+    ingest log, all on one new connection. Provisioning is idempotent; every call opens its
+    own connection.
+
+    Args:
+        settings: the ``nats`` settings section.
+        urls: server URLs; ``settings.urls`` when None (e.g. the embedded server's URL).
+        names: object names; ``Names(settings.prefix)`` when None.
+
+    Returns:
+        the stores; ``close()`` flushes buffered acks and closes the connection.
+
+    Raises:
+        ConfigError: no URL given.
+        StoreUnavailable: NATS unreachable (within the connect timeout) or JetStream off.
+        ProvisioningError: see :func:`~jsqueue.store.jetstream.provisioning.provision`.
+    """
+    names = names or Names(settings.prefix)
+    servers = list(urls or settings.urls)
+    if not servers:
+        raise ConfigError("nats.urls: no NATS server URL given")
+    nc = await connect_nats(settings, servers)
+    try:
+        await provision(nc, settings, names)
+    except BaseException:
+        await _close(nc)
+        raise
+    timeout_s = settings.request_timeout_s
+    bodies = JetStreamBodyStore(nc, names, timeout_s=timeout_s)
+    entries = JetStreamEntryStore(nc, names, timeout_s=timeout_s)
+    scheduler = JetStreamScheduler(nc, names, timeout_s=timeout_s)
+    ingest = JetStreamIngestLog(nc, names, timeout_s=timeout_s)
+
+    async def close() -> None:
+        await _close(nc)
+
+    return Stores(bodies, entries, scheduler, close, ingest)
+
+
+async def queue_backlog(
+    settings: NatsSettings, urls: list[str] | None = None, *, names: Names | None = None
+) -> int:
+    """The health probe: read the work consumer without creating or changing anything.
+
+    Args:
+        settings: the ``nats`` settings section.
+        urls: server URLs; ``settings.urls`` when None.
+        names: object names; ``Names(settings.prefix)`` when None.
+
+    Returns:
+        the work backlog (consumer num_pending + num_ack_pending).
+
+    Raises:
+        ConfigError: no URL given.
+        StoreUnavailable: NATS unreachable or not answering.
+        ProvisioningError: the work stream or its consumer does not exist (the queue was
+            never set up on this NATS, or under another ``nats.prefix``).
+    """
+    names = names or Names(settings.prefix)
+    servers = list(urls or settings.urls)
+    if not servers:
+        raise ConfigError("nats.urls: no NATS server URL given")
+    nc = await connect_nats(settings, servers)
+    try:
+        js = nc.jetstream(timeout=settings.request_timeout_s)
+        with translate("work consumer: info"):
+            try:
+                info = await js.consumer_info(names.work_stream, names.work_consumer)
+            except nats.js.errors.NotFoundError as e:
+                raise ProvisioningError(
+                    f"queue not set up on NATS: {names.work_stream}/{names.work_consumer} "
+                    "does not exist (start a worker or front end first, or check nats.prefix)"
+                ) from e
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    finally:
+        await _close(nc)
+
+
+async def _close(nc: NATS) -> None:
+    """Flush what is buffered (acks, NAKs) with a server round trip, then close.
+
+    Not ``drain()``: it waits for pull-subscription inboxes that nobody reads any more.
+    """
+    if nc.is_closed:
+        return
+    try:
+        await nc.flush(timeout=2)
+    except (TimeoutError, *NATS_FAILURES) as e:
+        log.warning("nats: final flush failed (%s); closing anyway", describe(e))
+    await close_nats(nc)
+
+
+async def close_nats(nc: NATS) -> None:
+    """Close ``nc``, whatever state its connection is in, and make sure nats-py's reconnect
+    task has ended (nats-py 2.16 can lose the cancellation ``close()`` sends it, and a task
+    left running keeps a process from ending on SIGTERM; docs/architecture.md, "Closing a
+    connection"). Idempotent. Never raises (cancellation aside): nats-py's own close errors
+    on a dead connection (lost connection; on uvloop a RuntimeError) are swallowed.
+    """
+    with contextlib.suppress(*NATS_FAILURES, RuntimeError):
+        await nc.close()
+    task: asyncio.Task[None] | None = getattr(nc, "_reconnection_task", None)
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECONNECT_WAIT_S / 5)

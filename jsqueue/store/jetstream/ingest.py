@@ -1,0 +1,84 @@
+"""Ingest log: :class:`JetStreamIngestLog`, the resend hints of idempotent ingest (content
+key → queue id) in a memory-backed KV bucket; losing them costs a duplicate, never a message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from jsqueue.names import Names, check_queue_id, kv_subject_prefix
+from jsqueue.store.base import check_ingest_key
+from jsqueue.store.jetstream.api import (
+    HDR_EXPECTED_LAST_SUBJ_SEQ,
+    is_wrong_last_seq,
+    publish,
+    translate,
+    unavailable,
+)
+
+
+class JetStreamIngestLog:
+    """:class:`~jsqueue.store.base.IngestLog` in a KV bucket (``Names.ingest_bucket``).
+
+    One key per content key holding ``{"id": queue id, "at": unix seconds}``. The bucket
+    forgets records after ``INGEST_MAX_AGE_S`` (:mod:`.provisioning`), so a dedupe window
+    beyond that is cut to it. Lookups are direct gets (no consumer); records are plain puts,
+    claims puts that expect no record. The bucket is held in the NATS servers' memory (no
+    fsync per message) and bounded by ``INGEST_MAX_BYTES``: a full NATS restart, or more
+    records than fit, forgets the oldest; a resend of a forgotten message is queued anew, as
+    without the log.
+
+    Args:
+        nc: a connected client.
+        names: object names.
+        timeout_s: per-request timeout, seconds.
+    """
+
+    def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0) -> None:
+        self.js = nc.jetstream(timeout=timeout_s)
+        self.stream = names.ingest_stream
+        self._pre = kv_subject_prefix(names.ingest_bucket)
+
+    async def lookup(self, key: str, max_age_s: float) -> str | None:
+        """See :meth:`IngestLog.lookup`."""
+        check_ingest_key(key)
+        with translate(f"ingest {key[:12]}: read"):
+            try:
+                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
+            except nats.js.errors.NotFoundError:
+                return None
+        if not msg.data:
+            return None
+        record = json.loads(msg.data)
+        if time.time() - float(record["at"]) > max_age_s:
+            return None
+        return str(record["id"])
+
+    async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
+        """See :meth:`IngestLog.claim`: a put expecting no record under ``key``; when one
+        is there, it is looked up, and replaced only if older than ``max_age_s``."""
+        check_ingest_key(key)
+        data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
+        what = f"ingest {key[:12]}: claim"
+        headers = {HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
+        try:
+            await publish(self.js, self._pre + key, data, headers, what=what)
+            return None
+        except nats.js.errors.APIError as e:
+            if not is_wrong_last_seq(e):
+                raise unavailable(what, e) from e
+        earlier = await self.lookup(key, max_age_s)
+        if earlier is None:  # older than the window: take its place
+            await self.record(key, queue_id)
+        # (our own id: a retried claim that was stored after all)
+        return None if earlier in (None, queue_id) else earlier
+
+    async def record(self, key: str, queue_id: str) -> None:
+        """See :meth:`IngestLog.record`."""
+        check_ingest_key(key)
+        data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
+        await publish(self.js, self._pre + key, data, {}, what=f"ingest {key[:12]}: write")
