@@ -1,7 +1,7 @@
 """Connection: :func:`connect_nats` (a client that reconnects forever across node loss),
 :func:`open_jetstream` (connect, provision, and the four JetStream stores on one
-connection), the read-only health probe :func:`queue_backlog`, and :func:`close_nats`, which
-closes a client whatever state it is in.
+connection, provisioned again after every reconnect), the read-only health probe
+:func:`queue_backlog`, and :func:`close_nats`, which closes a client whatever state it is in.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.js.errors
@@ -29,14 +30,69 @@ log = logging.getLogger("jsqueue.store.jetstream")
 
 #: nats-py reconnect pause per server, seconds.
 RECONNECT_WAIT_S = 0.5
+#: Longest pause between two tries of provisioning after a reconnect, seconds.
+REPROVISION_PAUSE_MAX_S = 5.0
 
 
-async def connect_nats(settings: NatsSettings, urls: list[str]) -> NATS:
+class _Reprovision:
+    """Provisions a connection's streams, buckets and consumer again after each reconnect.
+
+    A restarted nats-server comes back without what was held in memory (the ingest log's
+    stream) and, after a loss of its store, without anything; a process that kept running
+    would otherwise fail every request to the missing object until it is restarted itself.
+    One run at a time (a reconnect during a run does not start a second), retried with a
+    growing pause while JetStream is not answering yet; a ProvisioningError (settings that
+    cannot be applied) is logged and not retried.
+    """
+
+    def __init__(self, settings: NatsSettings, names: Names) -> None:
+        self.settings = settings
+        self.names = names
+        self.nc: NATS | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def trigger(self) -> None:
+        """The reconnected callback: start a run unless one is under way. Never blocks
+        (nats-py awaits the callback in its reconnect path)."""
+        if self.nc is None or (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.create_task(self._run(self.nc))
+
+    async def _run(self, nc: NATS) -> None:
+        pause = RECONNECT_WAIT_S
+        while not nc.is_closed:
+            try:
+                await provision(nc, self.settings, self.names)
+            except StoreUnavailable as e:
+                log.info("nats: provisioning after reconnect not possible yet: %s", e)
+            except ProvisioningError as e:
+                log.error("nats: provisioning after reconnect failed: %s", e)
+                return
+            else:
+                log.info("nats: streams, buckets and consumer provisioned after reconnect")
+                return
+            await asyncio.sleep(pause)
+            pause = min(REPROVISION_PAUSE_MAX_S, pause * 2)
+
+    async def close(self) -> None:
+        """Stop a run under way. Idempotent."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task})
+
+
+async def connect_nats(
+    settings: NatsSettings,
+    urls: list[str],
+    *,
+    on_reconnected: Callable[[], Awaitable[None]] | None = None,
+) -> NATS:
     """Connect to NATS; the connection then reconnects forever (node loss, restarts).
 
     Args:
         settings: credentials and timeouts.
         urls: server URLs (several for a cluster).
+        on_reconnected: awaited after each reconnect; must not block (start a task).
 
     Raises:
         StoreUnavailable: no server accepted a connection within ``connect_timeout_s``
@@ -55,6 +111,8 @@ async def connect_nats(settings: NatsSettings, urls: list[str]) -> NATS:
 
     async def on_reconnected() -> None:
         log.warning("nats: reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
+        if on_reconnected is not None:
+            await on_reconnected()
 
     options: dict[str, Any] = {
         "servers": urls,
@@ -89,8 +147,9 @@ async def open_jetstream(
     settings: NatsSettings, urls: list[str] | None = None, *, names: Names | None = None
 ) -> Stores:
     """Connect, provision and return the JetStream body store, entry store, scheduler and
-    ingest log, all on one new connection. Provisioning is idempotent; every call opens its
-    own connection.
+    ingest log, all on one new connection. Provisioning is idempotent, and runs again after
+    every reconnect (a restarted server may have lost what it held in memory: the ingest
+    log); every call opens its own connection.
 
     Args:
         settings: the ``nats`` settings section.
@@ -109,12 +168,14 @@ async def open_jetstream(
     servers = list(urls or settings.urls)
     if not servers:
         raise ConfigError("nats.urls: no NATS server URL given")
-    nc = await connect_nats(settings, servers)
+    again = _Reprovision(settings, names)
+    nc = await connect_nats(settings, servers, on_reconnected=again.trigger)
     try:
         await provision(nc, settings, names)
     except BaseException:
         await _close(nc)
         raise
+    again.nc = nc
     timeout_s = settings.request_timeout_s
     bodies = JetStreamBodyStore(nc, names, timeout_s=timeout_s)
     entries = JetStreamEntryStore(nc, names, timeout_s=timeout_s)
@@ -122,6 +183,7 @@ async def open_jetstream(
     ingest = JetStreamIngestLog(nc, names, timeout_s=timeout_s)
 
     async def close() -> None:
+        await again.close()
         await _close(nc)
 
     return Stores(bodies, entries, scheduler, close, ingest)
