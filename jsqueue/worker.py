@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from jsqueue import state
 from jsqueue.config import WorkerSettings
@@ -34,9 +34,17 @@ from jsqueue.errors import (
     RevisionConflict,
     StoreUnavailable,
 )
-from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
-from jsqueue.replies import Reply
+from jsqueue.events import (
+    NULL_OBSERVER,
+    EventKind,
+    Observer,
+    attempt_events,
+    entry_event,
+    recipient_event,
+)
+from jsqueue.replies import STORED_REPLY_OCTETS, Reply
 from jsqueue.retry import RetryPolicy
+from jsqueue.store import cas
 from jsqueue.store.base import Due, Stores, Versioned, one_chunk, open_entry_body
 
 log = logging.getLogger("jsqueue.worker")
@@ -52,6 +60,12 @@ CAS_TRIES = 5
 RECORD_TRIES = 50
 #: Longest pause between two recording tries, seconds.
 RECORD_PAUSE_MAX_S = 0.1
+#: Reply text kept per recipient on each try to record an attempt, octets: the bound every
+#: entry keeps (:data:`~jsqueue.replies.STORED_REPLY_OCTETS`) first; while the entry store
+#: refuses the entry as too large, the replies are cut further, then to their codes. When
+#: even that is refused, the entry is held (:meth:`Worker._hold`): a size refusal is never
+#: retried as if it were an outage, which would send the message again after the lease.
+REPLY_OCTET_STEPS = (STORED_REPLY_OCTETS, 64, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +81,16 @@ class Attempt:
 
     replies: Mapping[str, Reply]
     host: str | None = None
+
+
+class _Outcome(NamedTuple):
+    """An attempt as recorded: the entry version written (or removed), what was recorded,
+    whether the entry was removed instead of updated, and when."""
+
+    version: Versioned
+    recorded: state.Recorded
+    removed: bool
+    at: datetime
 
 
 @dataclass(slots=True)
@@ -215,6 +239,10 @@ class Worker:
         except asyncio.CancelledError:
             await asyncio.shield(self._give_back(due))
             raise
+        except EntryTooLarge as e:
+            # A claim, expiry or DSN mark the entry store refuses for its size: retried, it
+            # would be refused again. Hold the entry and say why.
+            await self._hold(due, due.item.queue_id, e)
         except StoreUnavailable as e:
             # Leave the item unsettled: it comes back after the ack wait.
             log.warning("queue %s: store unavailable: %s", due.item.queue_id, e)
@@ -298,35 +326,33 @@ class Worker:
             )
         finally:
             heartbeat.cancel()
-        # First try on the claimed (or renewed) version, no re-read: a change since then
-        # fails the compare-and-set, and only then is the entry read again.
-        removed = False
-        async for v in self._versions(held.version):
-            if v is None:
-                log.info("queue %s: deleted during delivery", item.queue_id)
-                await due.ack()
-                return
-            now = self.clock()
-            new, recorded = state.record(
-                v.entry, item.domain, delivery.replies, now, self._policy(v.entry), self.rng
-            )
+        outcome: _Outcome | None = None
+        for step, octets in enumerate(REPLY_OCTET_STEPS):
             try:
-                if self._removable(new, now):
-                    # Done and nothing owed: the compare-and-set that would record the
-                    # outcome removes the entry instead (one synced write less). The body
-                    # goes after it (an inline body went with the entry); a crash in
-                    # between leaves an orphan body for the reconciler, never an entry
-                    # without its body.
-                    await self.stores.entries.delete(new.id, revision=v.revision)
-                    v, removed = Versioned(new, v.revision), True
-                else:
-                    v = await self._update(new, v.revision)
-                break
-            except RevisionConflict:
+                outcome = await self._record(held.version, item.domain, delivery, octets)
+            except EntryTooLarge as e:
+                refused = e
                 continue
+            if step and outcome is not None:
+                self._cut_further(outcome.version.entry, item.domain, octets, refused)
+            break
         else:
-            raise RevisionConflict(f"queue {item.queue_id}: could not record outcomes")
-        self._log_attempt(v.entry, item.domain, recorded, started, now, delivery.host)
+            # Not even the recipients' states fit: log what the attempt did, hold.
+            now = self.clock()
+            _, recorded = state.record(
+                held.version.entry, item.domain, delivery.replies, now, self.policy, self.rng
+            )
+            self._log_attempt(
+                held.version.entry, item.domain, recorded, started, now, delivery, events=False
+            )
+            await self._hold(due, held.version, refused)
+            return
+        if outcome is None:
+            log.info("queue %s: deleted during delivery", item.queue_id)
+            await due.ack()
+            return
+        v, recorded, removed, now = outcome
+        self._log_attempt(v.entry, item.domain, recorded, started, now, delivery)
         if removed:
             if v.entry.inline_body is None:
                 await self.stores.bodies.delete(v.entry.id)
@@ -339,6 +365,98 @@ class Worker:
             await due.ack()
         else:
             await due.retry(recorded.retry_delay_s)
+
+    async def _record(
+        self, start: Versioned, domain: str, delivery: Attempt, octets: int
+    ) -> _Outcome | None:
+        """Record ``delivery`` by compare-and-set, reply texts bounded to ``octets``; None
+        when the entry was deleted meanwhile. The first try is on ``start`` (the claimed or
+        renewed version), no re-read: a change since then fails the compare-and-set, and
+        only then is the entry read again.
+
+        Raises:
+            EntryTooLarge: the entry store refuses the recorded entry for its size.
+            RevisionConflict: every try lost (:data:`RECORD_TRIES`).
+            StoreUnavailable.
+        """
+        async for v in self._versions(start):
+            if v is None:
+                return None
+            now = self.clock()
+            new, recorded = state.record(
+                v.entry,
+                domain,
+                delivery.replies,
+                now,
+                self._policy(v.entry),
+                self.rng,
+                reply_octets=octets,
+            )
+            try:
+                if self._removable(new, now):
+                    # Done and nothing owed: the compare-and-set that would record the
+                    # outcome removes the entry instead (one synced write less). The body
+                    # goes after it (an inline body went with the entry); a crash in
+                    # between leaves an orphan body for the reconciler, never an entry
+                    # without its body.
+                    await self.stores.entries.delete(new.id, revision=v.revision)
+                    return _Outcome(Versioned(new, v.revision), recorded, True, now)
+                return _Outcome(await self._update(new, v.revision), recorded, False, now)
+            except RevisionConflict:
+                continue
+        raise RevisionConflict(f"queue {start.entry.id}: could not record outcomes")
+
+    def _cut_further(self, entry: Entry, domain: str, octets: int, error: EntryTooLarge) -> None:
+        """Say that an attempt was recorded with its replies cut to ``octets`` octets."""
+        detail = f"{domain}: replies recorded cut to {octets} octets ({error})"
+        log.warning("queue %s: entry too large; %s", entry.id, detail)
+        self.observer.emit(
+            entry_event(
+                EventKind.TOO_LARGE,
+                entry,
+                source=f"worker:{self.owner}",
+                at=self.clock(),
+                detail=detail,
+            )
+        )
+
+    async def _hold(self, due: Due, start: Versioned | str, error: EntryTooLarge) -> None:
+        """The entry store refuses what this worker has to write for its size: hold the
+        entry (as an operator's hold does), give back our lease, keep the reason in
+        ``last_error``, say why (error log line, ``too_large`` and ``held`` events) and
+        settle the work item. Nothing of the entry is sent again until it is released.
+
+        Raises:
+            StoreUnavailable: the item stays unsettled (it comes back after the ack wait).
+        """
+        item = due.item
+        reason = f"entry too large to store ({item.domain}): {error}"
+
+        async def write(entry: Entry, revision: int) -> Versioned:
+            try:
+                return Versioned(entry, await self.stores.entries.update(entry, revision))
+            except EntryTooLarge:  # the reason itself does not fit beside the entry
+                bare = entry.model_copy(update={"last_error": None})
+                return Versioned(bare, await self.stores.entries.update(bare, revision))
+
+        try:
+            changed = await cas.change(
+                self.stores.entries,
+                start,
+                lambda e: state.hold(e, item.domain, self.owner, reason),
+                write=write,
+                tries=RECORD_TRIES,
+                pause=self._pause,
+            )
+        except EntryNotFound:
+            log.info("queue %s: deleted meanwhile (%s)", item.queue_id, reason)
+        else:
+            entry = changed.after.entry if changed.after is not None else changed.before.entry
+            log.error("queue %s: held: %s; release it to deliver again", entry.id, reason)
+            source, at = f"worker:{self.owner}", self.clock()
+            for kind in (EventKind.TOO_LARGE, EventKind.HELD):
+                self.observer.emit(entry_event(kind, entry, source=source, at=at, detail=reason))
+        await due.ack()
 
     async def _update(self, entry: Entry, revision: int) -> Versioned:
         """Compare-and-set ``entry`` at ``revision``. Replies and leases make an entry grow
@@ -438,7 +556,8 @@ class Worker:
             await asyncio.sleep(interval)
             with contextlib.suppress(StoreUnavailable):
                 await due.in_progress()
-            with contextlib.suppress(StoreUnavailable):
+            # A renewal is no larger than the claim: a size refusal is not expected here.
+            with contextlib.suppress(StoreUnavailable, EntryTooLarge):
                 await self._renew(due.item.domain, held)
 
     async def _renew(self, domain: str, held: _Held) -> None:
@@ -495,11 +614,15 @@ class Worker:
         recorded: state.Recorded,
         started: datetime,
         now: datetime,
-        tried: str | None = None,
+        delivery: Attempt,
+        *,
+        events: bool = True,
     ) -> None:
-        """One line per recipient: ``mx=`` is the host whose reply was recorded, else the
-        host the attempt tried (``tried``), else ``-`` (no host reached, e.g. a DNS failure);
+        """One line per recipient, and (with ``events``) one event: the attempt's whole
+        reply (the entry keeps it bounded). ``mx=`` is the host whose reply was recorded,
+        else the host the attempt tried, else ``-`` (no host reached, e.g. a DNS failure);
         the JSON field ``mx`` is null in that last case."""
+        tried = delivery.host
         took = (now - started).total_seconds()
         age = (now - entry.created_at).total_seconds()
         groups = (
@@ -511,7 +634,7 @@ class Worker:
         for kind, rcpts in groups:
             outcome = kind.value
             for r in rcpts:
-                reply = r.last_reply
+                reply = delivery.replies.get(r.address) or r.last_reply
                 mx = (reply.remote_host if reply else None) or tried
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
@@ -539,8 +662,15 @@ class Worker:
                         "next_attempt_at": r.next_attempt_at,
                     },
                 )
+        if not events:
+            return
         for event in attempt_events(
-            entry, groups, source=f"worker:{self.owner}", at=now, duration_s=took
+            entry,
+            groups,
+            source=f"worker:{self.owner}",
+            at=now,
+            duration_s=took,
+            replies=delivery.replies,
         ):
             self.observer.emit(event)
 
