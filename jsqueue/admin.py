@@ -82,7 +82,8 @@ from jsqueue.events import (
 from jsqueue.names import check_queue_id
 from jsqueue.replies import Reply
 from jsqueue.state import release as release_lease
-from jsqueue.store.base import Stores, Versioned, open_entry_body
+from jsqueue.store.base import Stores, Versioned
+from jsqueue.store.layout import open_entry_body
 
 #: Entries read per store request when scanning the whole queue (``EntryStore.page``).
 SCAN_PAGE = 10_000

@@ -1,7 +1,7 @@
-"""SMTP replies jsqueue sends or synthesises, as one checked table (RFC 5321 §4.2, RFC 3463).
-
-Each constant is named ``R<code>_<MEANING>`` and its enhanced status code's class digit
-matches the basic code's first digit; ``tests/test_replies.py`` checks both.
+"""SMTP replies jsqueue sends or synthesises, as one checked table (RFC 5321 §4.2, RFC 3463):
+each constant is named ``R<code>_<MEANING>`` and its enhanced status code's class digit
+matches the basic code's first digit (``tests/test_replies.py`` checks both); with the
+:class:`Reply` model and the bound on what an entry keeps of one.
 """
 
 from __future__ import annotations

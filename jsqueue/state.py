@@ -1,10 +1,9 @@
-"""Delivery state transitions of a queue entry. Pure: takes ``now``, returns new entries.
-
-The worker reads an entry, asks :func:`check` whether a work item may be delivered, claims
-the destination with :func:`claim`, delivers, and records the replies with :func:`record`;
-every result is written back by compare-and-set (DESIGN.md §2.3). Applying the same
-transition to a newer revision after a conflict is safe: each function only looks at the
-entry it is given.
+"""Delivery state transitions of a queue entry, pure (they take ``now`` and return new
+entries): the worker asks :func:`check` whether a work item may be delivered, claims the
+destination with :func:`claim`, delivers, records the replies with :func:`record` (or holds
+an entry the store refuses, :func:`hold`), and writes every result back by compare-and-set
+(DESIGN.md §2.3); applying a transition again to a newer revision after a conflict is safe,
+as each function only looks at the entry it is given.
 """
 
 from __future__ import annotations
