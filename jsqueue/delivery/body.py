@@ -25,7 +25,12 @@ async def aclose(iterator: AsyncIterator[bytes]) -> None:
 
 class BodyCache:
     """The body as sent to the current server: original, or converted to 7-bit (kept for
-    the rest of the attempt), plus the header scan result."""
+    the rest of the attempt), plus the header scan result. Errors of the body source
+    (``BodyNotFound``, ``BodyCorrupt``, ``StoreUnavailable``) pass through its methods.
+
+    Args:
+        source: the message; opened once per scan, conversion and session.
+    """
 
     def __init__(self, source: BodySource) -> None:
         self.source = source
@@ -34,7 +39,12 @@ class BodyCache:
         self._headers_8bit: bool | None = None
 
     async def headers_8bit(self) -> bool:
-        """Whether the header section has octets >= 0x80 (reads only the header section)."""
+        """Whether the header section has octets >= 0x80 (RFC 6532; reads only the header
+        section, once per attempt).
+
+        Raises:
+            whatever the body source raises.
+        """
         if self._headers_8bit is None:
             tail = b""
             found = False
@@ -59,10 +69,13 @@ class BodyCache:
         return self._headers_8bit
 
     async def converted(self) -> bytes:
-        """The body converted to 7-bit MIME.
+        """The body converted to 7-bit MIME (RFC 6152 §3), converted once per attempt and
+        kept in memory (at most :data:`MAX_CONVERT_OCTETS` octets read).
 
         Raises:
-            ConversionError: see :func:`to_7bit`, or the body is too large to convert.
+            ConversionError: see :func:`to_7bit`, or the body is too large to convert
+                (raised again on each later call).
+            whatever the body source raises.
         """
         if self._conversion_error is not None:
             raise ConversionError(self._conversion_error)

@@ -22,7 +22,9 @@ QUIT_TIMEOUT_S = 5.0
 
 
 async def quit_smtp(smtp: aiosmtplib.SMTP, where: str) -> None:
-    """QUIT (bounded by :data:`QUIT_TIMEOUT_S`) and close; never raises."""
+    """QUIT (RFC 5321 §4.1.1.10, the reply awaited at most :data:`QUIT_TIMEOUT_S` seconds)
+    and close; ``where`` names the peer in the debug line of a failed QUIT. Never raises;
+    idempotent (a closed session is only closed again)."""
     try:
         if smtp.is_connected:
             await smtp.execute_command(b"QUIT", timeout=QUIT_TIMEOUT_S)
@@ -91,7 +93,9 @@ class ConnectionCache:
         return sum(len(v) for v in self._idle.values())
 
     def take(self, key: CacheKey) -> IdleSession | None:
-        """The most recently used idle session for ``key`` still fit for reuse, or None."""
+        """The most recently used idle session for ``key`` still fit for reuse (connected,
+        younger than ``max_age_s`` seconds), or None; unfit ones found on the way are
+        QUIT in the background. The session taken is the caller's until :meth:`put`."""
         pool = self._idle.get(key)
         now = asyncio.get_running_loop().time()
         found: IdleSession | None = None
@@ -108,7 +112,13 @@ class ConnectionCache:
         return found
 
     def put(self, key: CacheKey, idle: IdleSession) -> bool:
-        """Keep ``idle`` for reuse; False (and nothing kept) when the cache will not."""
+        """Keep ``idle`` for reuse for ``idle_s`` seconds (then QUIT in the background).
+
+        Returns:
+            True when kept; False (and nothing kept: the caller QUITs it) when the cache is
+            closed or disabled, the target has ``max_idle`` idle sessions already, or the
+            session is older than ``max_age_s``.
+        """
         loop = asyncio.get_running_loop()
         if (
             self._closed

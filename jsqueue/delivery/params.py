@@ -17,7 +17,8 @@ _NOTIFY_ORDER = (Notify.NEVER, Notify.SUCCESS, Notify.FAILURE, Notify.DELAY)
 
 
 def xtext(value: str) -> str:
-    """RFC 3461 §4 xtext; non-ASCII characters as RFC 6533 ``\\x{HEX}``."""
+    """``value`` as RFC 3461 §4 xtext (``+XX`` for controls, space, ``+`` and ``=``), with
+    non-ASCII characters as RFC 6533 ``\\x{HEX}``. Pure."""
     out = []
     for ch in value:
         o = ord(ch)
@@ -62,7 +63,17 @@ def _ascii_domain(domain: str) -> str | None:
 
 
 def smtp_path(address: str, utf8: bool) -> str | None:
-    """The path as sent in MAIL/RCPT (without brackets); None when it needs SMTPUTF8."""
+    """The path as sent in MAIL/RCPT, without brackets (RFC 5321 §4.1.2). Pure.
+
+    Args:
+        address: the stored address; ``""`` is the null reverse-path.
+        utf8: the transaction uses SMTPUTF8 (RFC 6531).
+
+    Returns:
+        the address; without SMTPUTF8 a U-label domain as its A-label (RFC 6531 §3.2);
+        None when it cannot go without SMTPUTF8 (a UTF-8 local part, a domain with no
+        A-label form).
+    """
     if address == "":
         return ""
     if utf8 or address.isascii():

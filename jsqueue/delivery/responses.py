@@ -70,6 +70,10 @@ def to_reply(
         response: code and text as parsed by aiosmtplib.
         remote_host: the MX host name to record in the reply.
         intermediate_ok: accept 3xx (positive intermediate) codes.
+
+    Returns:
+        the reply, its text valid UTF-8 without control characters (it goes into JSON and
+        DSNs). Pure; never raises.
     """
     code = response.code
     valid = 200 <= code <= 599 and (intermediate_ok or not 300 <= code < 400)
