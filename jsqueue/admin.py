@@ -25,7 +25,8 @@ from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event, reci
 from jsqueue.names import check_queue_id
 from jsqueue.state import bounced, flushed, held, released_from_hold
 from jsqueue.store import cas
-from jsqueue.store.base import Stores, Versioned, open_entry_body
+from jsqueue.store.base import Stores, Versioned
+from jsqueue.store.layout import open_entry_body
 from jsqueue.views import (
     Action,
     ActionResult,

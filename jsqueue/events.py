@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -72,6 +72,9 @@ class EventKind(StrEnum):
     RELEASED = "released"  # an operator released a held message
     FLUSHED = "flushed"  # an operator asked for delivery now, overriding the backoff
     DELETED = "deleted"  # an operator deleted the message (no DSN)
+    # the entry store refused an entry as too large: a worker recorded the replies cut
+    # further, or held the message (detail says which and why)
+    TOO_LARGE = "too_large"
 
 
 class Event(BaseModel):
@@ -156,9 +159,12 @@ def recipient_event(
     at: datetime | None = None,
     duration_s: float | None = None,
     detail: str | None = None,
+    reply: Reply | None = None,
 ) -> Event:
     """A recipient-level event (delivered, deferred, bounced, expired) from the stored
-    recipient: its state, reply, attempts and next attempt after the change."""
+    recipient: its state, reply, attempts and next attempt after the change. ``reply``
+    replaces the stored reply (which an entry keeps bounded, :meth:`Reply.bounded`) by the
+    whole one the attempt got."""
     return Event(
         kind=kind,
         at=at or utcnow(),
@@ -166,7 +172,7 @@ def recipient_event(
         recipient=recipient.address,
         domain=recipient.domain,
         state=recipient.state,
-        reply=recipient.last_reply,
+        reply=reply or recipient.last_reply,
         attempts=recipient.attempts,
         next_attempt_at=recipient.next_attempt_at,
         duration_s=duration_s,
@@ -522,10 +528,18 @@ def attempt_events(
     source: str,
     at: datetime,
     duration_s: float | None,
+    replies: Mapping[str, Reply] | None = None,
 ) -> list[Event]:
-    """The events of one recorded delivery attempt, one per recipient (worker helper)."""
+    """The events of one recorded delivery attempt, one per recipient (worker helper).
+
+    ``replies`` are the attempt's replies by address, whole: an event carries them instead
+    of the bounded ones the entry keeps (:meth:`Reply.bounded`).
+    """
+    whole = replies or {}
     return [
-        recipient_event(kind, entry, r, source=source, at=at, duration_s=duration_s)
+        recipient_event(
+            kind, entry, r, source=source, at=at, duration_s=duration_s, reply=whole.get(r.address)
+        )
         for kind, rcpts in groups
         for r in rcpts
     ]

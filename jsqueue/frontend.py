@@ -129,7 +129,8 @@ from jsqueue.replies import (
     R554_RELAY_DENIED,
     R555_UNKNOWN_PARAMETER,
 )
-from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores, one_chunk
+from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores
+from jsqueue.store.layout import one_chunk
 
 log = logging.getLogger(__name__)
 

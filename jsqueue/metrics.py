@@ -22,6 +22,9 @@ jsqueue_delivery_attempts_total{outcome}   counter    recipient delivery attempt
                                                       (delivered, deferred, bounced, expired)
 jsqueue_delivery_duration_seconds{outcome} histogram  duration of the SMTP attempt, per recipient
 jsqueue_state_changes_total{kind}          counter    every event this process emitted, by kind
+jsqueue_entry_too_large_total              counter    entries the entry store refused as too large
+                                                      after an attempt: recorded with the replies
+                                                      cut further, or held (``too_large`` events)
 jsqueue_events_published_total             counter    events the events stream acknowledged
 jsqueue_events_dropped_total               counter    events dropped (buffer full, closing)
 jsqueue_events_failed_total                counter    events whose publish failed
@@ -132,6 +135,12 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.entry_too_large = Counter(
+            "jsqueue_entry_too_large",
+            "Entries the entry store refused as too large after an attempt: recorded with "
+            "the replies cut further, or held.",
+            registry=r,
+        )
         self.queue_entries = Gauge(
             "jsqueue_queue_entries",
             "Queue entries by derived state (done: kept DSN records, not queued mail).",
@@ -176,6 +185,8 @@ class Metrics:
             if event.body_inline is not None:
                 layout = "inline" if event.body_inline else "object_store"
                 self.accepted_bodies.labels(layout).inc()
+        elif event.kind is EventKind.TOO_LARGE:
+            self.entry_too_large.inc()
         elif event.kind in _ATTEMPT_OUTCOMES and event.duration_s is not None:
             self.attempts.labels(event.kind.value).inc()
             self.duration.labels(event.kind.value).observe(max(0.0, event.duration_s))

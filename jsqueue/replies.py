@@ -1,12 +1,21 @@
-"""SMTP replies jsqueue sends or synthesises, as one checked table (RFC 5321 §4.2, RFC 3463).
-
-Each constant is named ``R<code>_<MEANING>`` and its enhanced status code's class digit
-matches the basic code's first digit; ``tests/test_replies.py`` checks both.
+"""SMTP replies jsqueue sends or synthesises, as one checked table (RFC 5321 §4.2, RFC 3463):
+each constant is named ``R<code>_<MEANING>`` and its enhanced status code's class digit
+matches the basic code's first digit (``tests/test_replies.py`` checks both); with the
+:class:`Reply` model and the bound on what an entry keeps of one.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+
+#: Octets of reply text a queue entry keeps per recipient (:meth:`Reply.bounded`). Replies
+#: are recorded in the entry of every recipient they answer, and the entry store takes
+#: entries up to a fixed size (NATS's max_payload): 1 000 recipients answered with a long
+#: multi-line reply each would not fit whole. The full text goes to the log line and the
+#: event of the attempt; the entry, and the DSN made from it, keep its start.
+STORED_REPLY_OCTETS = 512
+#: Appended to a reply text cut by :meth:`Reply.bounded`.
+CUT_MARKER = " [...]"
 
 
 class Reply(BaseModel):
@@ -38,6 +47,29 @@ class Reply(BaseModel):
     def is_success(self) -> bool:
         """2yz: positive completion (RFC 5321 §4.2.1)."""
         return 200 <= self.code < 300
+
+    def bounded(self, max_octets: int = STORED_REPLY_OCTETS) -> Reply:
+        """This reply with a text of at most ``max_octets`` octets of UTF-8, as a queue
+        entry keeps it.
+
+        A longer text (the lines of a multi-line reply joined with ``\\n``, RFC 5321
+        §4.2.1) is cut at a character boundary, never inside a UTF-8 sequence, and ends in
+        :data:`CUT_MARKER`; when not even one octet of text fits beside the marker, the
+        text is the marker alone (``[...]``). Code, enhanced code and remote host are kept.
+        Pure and idempotent: a bounded reply is returned unchanged.
+
+        Args:
+            max_octets: the longest text kept, octets (>= 0).
+
+        Returns:
+            ``self`` when its text fits, else a copy with the cut text.
+        """
+        data = self.text.encode("utf-8")
+        if len(data) <= max_octets:
+            return self
+        head = data[: max(0, max_octets - len(CUT_MARKER))].decode("utf-8", "ignore").rstrip()
+        text = head + CUT_MARKER if head else CUT_MARKER.strip()
+        return self.model_copy(update={"text": text})
 
     def __str__(self) -> str:
         lines = self.text.split("\n") if self.text else [""]

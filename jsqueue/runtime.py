@@ -1,6 +1,6 @@
-"""Composition: wire settings, NATS, stores, front end, worker and the operators' queue
-operations into running services. Thin by design (STYLE.md): everything here only builds
-objects from settings and runs them until a stop event is set (SIGTERM/SIGINT in the CLI).
+"""Composition, thin by design (STYLE.md): wires settings, NATS, stores, the front end, the
+worker and the operators' queue operations into running services, and runs them until a
+stop event is set (SIGTERM/SIGINT in the CLI); no delivery or queue logic lives here.
 """
 
 from __future__ import annotations
@@ -10,21 +10,14 @@ import contextlib
 import getpass
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from jsqueue.admin import Admin
-from jsqueue.config import Settings, WorkerSettings
-from jsqueue.delivery import (
-    BodySource,
-    ConnectionCache,
-    DeliveryEnvelope,
-    Resolver,
-    deliver_domain,
-)
-from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
+from jsqueue.config import Settings
+from jsqueue.delivery.deliverer import SmtpDeliverer
+from jsqueue.delivery.resolver import Resolver, resolver_from_settings
 from jsqueue.dsn.notifier import DsnNotifier
-from jsqueue.envelope import Entry, Recipient
 from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
 from jsqueue.frontend import serve_smtp
@@ -35,54 +28,9 @@ from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Stores
 from jsqueue.store.cache import CachedBodyStore
 from jsqueue.store.jetstream import open_jetstream
-from jsqueue.worker import Attempt, Worker
-from jsqueue.worker import BodySource as WorkerBody
+from jsqueue.worker import Worker
 
 log = logging.getLogger("jsqueue")
-
-
-class SmtpDeliverer:
-    """The worker's :class:`~jsqueue.worker.Deliverer`: MX lookup plus one SMTP attempt.
-
-    Args:
-        resolver: MX (or smarthost) resolution.
-        settings: the ``worker`` settings section (timeouts, TLS policy, port).
-    """
-
-    def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
-        self.resolver = resolver
-        self.settings = settings
-        self.connections = ConnectionCache(
-            idle_s=settings.connection_cache_s,
-            max_age_s=settings.connection_reuse_s,
-            max_idle=settings.concurrency,
-        )
-
-    async def deliver(
-        self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: WorkerBody
-    ) -> Attempt:
-        """See :meth:`jsqueue.worker.Deliverer.deliver`."""
-        envelope = DeliveryEnvelope(
-            domain=domain,
-            reverse_path=entry.reverse_path,
-            recipients=tuple(recipients),
-            smtputf8=entry.smtputf8,
-            body_8bit=entry.body_8bit,
-            envid=entry.envid,
-            ret=entry.ret,
-        )
-        result = await deliver_domain(
-            self.resolver,
-            envelope,
-            BodySource(open=body, size=entry.size),
-            self.settings,
-            self.connections,
-        )
-        return Attempt(result.replies, result.tried_host)
-
-    async def close(self) -> None:
-        """See :meth:`jsqueue.worker.Deliverer.close`: QUIT the cached sessions."""
-        await self.connections.close()
 
 
 def nats_urls(settings: Settings) -> list[str]:
@@ -155,7 +103,7 @@ def build_worker(
     policy = RetryPolicy.from_settings(settings.retry)
     return Worker(
         cached,
-        SmtpDeliverer(resolver or _resolver_from_settings(settings.worker), settings.worker),
+        SmtpDeliverer(resolver or resolver_from_settings(settings.worker), settings.worker),
         DsnNotifier(cached, settings.dsn, policy),
         settings.worker,
         policy,

@@ -2,11 +2,11 @@
 new entry for the caller to write by compare-and-set (DESIGN.md §2.3); none does I/O. The
 worker's side: :func:`check` whether a work item may be delivered, :func:`claim` and
 :func:`renewed` a destination's lease, :func:`release` it without an outcome, :func:`record`
-the replies, :func:`expire_all` what ran out of time. The operators' side
-(:mod:`jsqueue.admin`): :func:`flushed`, :func:`held`, :func:`released_from_hold` (the hold
-flag, not a lease) and :func:`bounced`, each returning ``(entry or None, detail)``. Applying
-a transition again to a newer revision after a lost compare-and-set is safe: each function
-only looks at the entry it is given.
+the replies (bounded), :func:`expire_all` what ran out of time, :func:`hold` an entry the
+store refuses. The operators' side (:mod:`jsqueue.admin`): :func:`flushed`, :func:`held`,
+:func:`released_from_hold` (the hold flag, not a lease) and :func:`bounced`, each returning
+``(entry or None, detail)``. Applying a transition again to a newer revision after a lost
+compare-and-set is safe: each function only looks at the entry it is given.
 """
 
 from __future__ import annotations
@@ -168,6 +168,23 @@ def release(entry: Entry, domain: str) -> Entry:
     return new
 
 
+def hold(entry: Entry, domain: str, owner: str, reason: str | None) -> Entry:
+    """Hold ``entry`` because a worker cannot store what it did with ``domain`` (the entry
+    store refuses the entry as too large): ``owner``'s lease on ``domain`` is given back as
+    by :func:`release` (another owner's stays), the hold flag is set as by an operator's
+    hold (work items of a held entry drop on arrival, so nothing is sent until it is
+    released) and ``reason`` is kept in ``last_error``. Pure.
+
+    Returns:
+        a new entry; the caller writes it by compare-and-set.
+    """
+    lease = entry.leases.get(domain)
+    new = release(entry, domain) if lease is not None and lease.owner == owner else _copy(entry)
+    new.held = True
+    new.last_error = reason
+    return new
+
+
 @dataclass
 class Recorded:
     """What :func:`record` did, for logging, events and the NAK delay."""
@@ -186,6 +203,8 @@ def record(
     now: datetime,
     policy: RetryPolicy,
     rng: random.Random,
+    *,
+    reply_octets: int = replies.STORED_REPLY_OCTETS,
 ) -> tuple[Entry, Recorded]:
     """Apply one attempt's per-recipient replies to the open recipients of ``domain``.
 
@@ -194,13 +213,19 @@ def record(
     when the lifetime ran out (the last remote reply kept for the DSN, RFC 3464 §2.3.6). A
     recipient without a reply in ``outcomes`` counts as a temporary protocol error.
 
+    Each reply is kept with its text bounded to ``reply_octets`` octets
+    (:meth:`Reply.bounded`), so that what an entry records of an attempt stays within what
+    the entry store takes however many recipients answered at length; callers log and
+    publish the replies of ``outcomes``, which are whole.
+
     Args:
-        entry: the entry as read (claimed by this worker).
+        entry: the claimed entry.
         domain: the destination domain attempted.
-        outcomes: the reply per recipient address.
-        now: the current time, aware UTC.
-        policy: the retry policy (next attempt, lifetime).
-        rng: the jitter source.
+        outcomes: the attempt's reply per recipient address.
+        now: the attempt's end, aware.
+        policy: when a 4yz is retried, or expires.
+        rng: jitter source of ``policy``.
+        reply_octets: the longest reply text kept per recipient, octets.
 
     Returns:
         the new entry (lease on ``domain`` dropped) and a summary; ``retry_delay_s`` is the
@@ -214,7 +239,7 @@ def record(
         reply = outcomes.get(r.address, replies.R451_PROTOCOL_ERROR)
         r.attempts += 1
         r.last_attempt_at = now
-        r.last_reply = reply
+        r.last_reply = reply.bounded(reply_octets)
         if reply.is_success:
             r.state, r.next_attempt_at = RecipientState.DELIVERED, None
             done.delivered.append(r)

@@ -1,13 +1,10 @@
-"""The delivery worker: fetch, check, claim, deliver, record, ack. Orchestration only.
-
-Any number of workers share one durable consumer (DESIGN.md §1). For each due work item a
-worker re-reads the entry (KV is the truth, §2.2), claims the destination with a lease by
-compare-and-set (§2.3), delivers over SMTP, records each recipient's reply by
-compare-and-set, sends the DSNs a settled entry owes, and only then settles the work item:
-ack when nothing of the destination is left, NAK with the retry delay otherwise.
-
-The only duplicate-send window is a crash between the remote 250 and the recording CAS,
-which SMTP itself cannot close (RFC 5321 §6.1).
+"""The delivery worker, orchestration only: fetch a due work item, check it against its entry
+(KV is the truth, DESIGN.md §2.2), claim the destination by compare-and-set (§2.3), deliver
+through a :class:`~jsqueue.delivery.base.Deliverer`, record each recipient's reply by
+compare-and-set, finish (DSNs owed, removal) and only then settle the item. The state
+transitions are :mod:`jsqueue.state`'s, the body layout :mod:`jsqueue.store.layout`'s, the
+compare-and-set loop :mod:`jsqueue.store.cas`'s; ``docs/architecture.md`` (Delivery) tells
+the whole story.
 """
 
 from __future__ import annotations
@@ -18,33 +15,36 @@ import logging
 import random
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from jsqueue import state
 from jsqueue.config import WorkerSettings
-from jsqueue.envelope import Entry, Recipient, utcnow
+from jsqueue.delivery.base import Attempt, BodySource, Deliverer
+from jsqueue.envelope import Entry, utcnow
 from jsqueue.errors import (
-    BodyNotFound,
-    EntryDeleted,
     EntryNotFound,
     EntryTooLarge,
     RevisionConflict,
     StoreUnavailable,
 )
-from jsqueue.events import NULL_OBSERVER, EventKind, Observer, attempt_events, recipient_event
-from jsqueue.replies import Reply
+from jsqueue.events import (
+    NULL_OBSERVER,
+    EventKind,
+    Observer,
+    attempt_events,
+    entry_event,
+    recipient_event,
+)
+from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Due, Stores, Versioned, one_chunk, open_entry_body
+from jsqueue.store import cas, layout
+from jsqueue.store.base import Due, Stores, Versioned
 
 log = logging.getLogger("jsqueue.worker")
 
-BodySource = Callable[[], AsyncIterator[bytes]]
-"""Re-openable body: each call streams the raw message (CRLF line ends) from the start."""
-
-CAS_TRIES = 5
 #: Compare-and-set tries to record one attempt's outcomes. Each conflict means another
 #: writer got through (another destination's outcome or claim, an admin action), so the
 #: tries are many, with a short random pause that grows: giving up would lose the record
@@ -52,21 +52,22 @@ CAS_TRIES = 5
 RECORD_TRIES = 50
 #: Longest pause between two recording tries, seconds.
 RECORD_PAUSE_MAX_S = 0.1
+#: Reply text kept per recipient on each try to record an attempt, octets: the bound every
+#: entry keeps (:data:`~jsqueue.replies.STORED_REPLY_OCTETS`) first; while the entry store
+#: refuses the entry as too large, the replies are cut further, then to their codes. When
+#: even that is refused, the entry is held (:meth:`Worker._hold`): a size refusal is never
+#: retried as if it were an outage, which would send the message again after the lease.
+REPLY_OCTET_STEPS = (STORED_REPLY_OCTETS, 64, 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """What one delivery attempt of one destination domain came back with.
+class _Outcome(NamedTuple):
+    """An attempt as recorded: the entry version written (or removed), what was recorded,
+    whether the entry was removed instead of updated, and when."""
 
-    Attributes:
-        replies: a reply for every recipient address offered (2yz, 4yz or 5yz).
-        host: the host name last connected to or tried (MX, implicit MX, address literal or
-            smarthost), also when it did not answer; None when no connection was tried
-            (e.g. the MX lookup failed). Logged as ``mx=`` for replies jsqueue synthesised.
-    """
-
-    replies: Mapping[str, Reply]
-    host: str | None = None
+    version: Versioned
+    recorded: state.Recorded
+    removed: bool
+    at: datetime
 
 
 @dataclass(slots=True)
@@ -77,26 +78,8 @@ class _Held:
     version: Versioned
 
 
-class Deliverer(Protocol):
-    """Delivers one entry's open recipients of one destination domain (one attempt)."""
-
-    async def deliver(
-        self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
-    ) -> Attempt:
-        """One attempt: MX lookup, SMTP session(s); a reply for every recipient address and
-        the host tried.
-
-        Never raises for remote or DNS trouble: failures come back as 4yz/5yz replies.
-        """
-        ...
-
-    async def close(self) -> None:
-        """Release what outlives one attempt (cached SMTP sessions). Idempotent."""
-        ...
-
-
 class Notifier(Protocol):
-    """Sends the DSNs a settled entry owes (RFC 3464); see :mod:`jsqueue.bounce`."""
+    """Sends the DSNs a settled entry owes (RFC 3464); see :mod:`jsqueue.dsn.notifier`."""
 
     async def notify(self, entry: Entry, now: datetime) -> Entry | None:
         """Enqueue every DSN owed; return the entry marked as notified, None if none owed.
@@ -122,7 +105,9 @@ class Worker:
         dsn_policy: retry policy for DSNs (shorter lifetime).
         owner: lease owner name; host name + random suffix when omitted.
         clock: returns the current aware UTC time (tests pass a fake clock).
-        rng: jitter source.
+        rng: jitter source (retry delays, compare-and-set pauses).
+        ack_wait_s: the work consumer's ack wait, seconds: the heartbeat keeps a long
+            delivery's item alive within it.
         observer: receives an event per recorded recipient outcome (jsqueue.events).
     """
 
@@ -215,6 +200,14 @@ class Worker:
         except asyncio.CancelledError:
             await asyncio.shield(self._give_back(due))
             raise
+        except EntryTooLarge as e:
+            # A claim, expiry or DSN mark the entry store refuses for its size: retried, it
+            # would be refused again. Hold the entry and say why.
+            try:
+                await self._hold(due, due.item.queue_id, e)
+            except (StoreUnavailable, RevisionConflict) as failed:
+                # Unsettled: the item comes back after the ack wait and is held then.
+                log.warning("queue %s: could not hold: %s", due.item.queue_id, failed)
         except StoreUnavailable as e:
             # Leave the item unsettled: it comes back after the ack wait.
             log.warning("queue %s: store unavailable: %s", due.item.queue_id, e)
@@ -245,13 +238,13 @@ class Worker:
         return self.dsn_policy if entry.is_dsn or entry.reverse_path == "" else self.policy
 
     async def _process(self, due: Due) -> None:
+        """Check the item against its entry and claim the destination, read again after
+        a lost compare-and-set (:data:`~jsqueue.store.cas.CAS_TRIES` reads at most, then
+        the item is tried again in a second); then deliver."""
         item = due.item
-        for _ in range(CAS_TRIES):
-            deleted = False
-            try:
-                v: Versioned | None = await self.stores.entries.get(item.queue_id)
-            except EntryNotFound as e:
-                v, deleted = None, isinstance(e, EntryDeleted)
+        async for read in cas.reads(self.stores.entries, item.queue_id, strict=False):
+            v = None if isinstance(read, cas.Gone) else read
+            deleted = isinstance(read, cas.Gone) and read.deleted
             now = self.clock()
             verdict = state.check(v.entry if v else None, item, now, deleted=deleted)
             if verdict.verdict is state.Verdict.DROP:
@@ -289,26 +282,81 @@ class Worker:
         started = self.clock()
         held = _Held(claimed)
         heartbeat = asyncio.create_task(self._heartbeat(due, held))
+        body = BodySource(open=layout.delivery_body(self.stores, entry), size=entry.size)
         try:
-            delivery = await self.deliverer.deliver(
-                entry,
-                item.domain,
-                recipients,
-                lambda: self._body(entry),
-            )
+            delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
         finally:
             heartbeat.cancel()
-        # First try on the claimed (or renewed) version, no re-read: a change since then
-        # fails the compare-and-set, and only then is the entry read again.
-        removed = False
-        async for v in self._versions(held.version):
+        outcome: _Outcome | None = None
+        for step, octets in enumerate(REPLY_OCTET_STEPS):
+            try:
+                outcome = await self._record(held.version, item.domain, delivery, octets)
+            except EntryTooLarge as e:
+                refused = e
+                continue
+            if step and outcome is not None:
+                self._cut_further(outcome.version.entry, item.domain, octets, refused)
+            break
+        else:
+            # Not even the recipients' states fit: log what the attempt did, hold.
+            now = self.clock()
+            _, recorded = state.record(
+                held.version.entry, item.domain, delivery.replies, now, self.policy, self.rng
+            )
+            self._log_attempt(
+                held.version.entry, item.domain, recorded, started, now, delivery, events=False
+            )
+            await self._hold(due, held.version, refused)
+            return
+        if outcome is None:
+            log.info("queue %s: deleted during delivery", item.queue_id)
+            await due.ack()
+            return
+        v, recorded, removed, now = outcome
+        self._log_attempt(v.entry, item.domain, recorded, started, now, delivery)
+        if removed:
+            if v.entry.inline_body is None:
+                await self.stores.bodies.delete(v.entry.id)
+            log.info("queue %s: done, removed", v.entry.id)
+        else:
+            if v.entry.inline_body is not None and recorded.retry_delay_s is not None:
+                # Deferred: queued mail keeps metadata only in its entry (after the
+                # record, which is not delayed by it).
+                v = await layout.move_body_out(
+                    self.stores, v, tries=RECORD_TRIES, pause=self._pause
+                )
+            await self._finish(v)
+        if recorded.retry_delay_s is None:
+            await due.ack()
+        else:
+            await due.retry(recorded.retry_delay_s)
+
+    async def _record(
+        self, start: Versioned, domain: str, delivery: Attempt, octets: int
+    ) -> _Outcome | None:
+        """Record ``delivery`` by compare-and-set, reply texts bounded to ``octets``; None
+        when the entry was deleted meanwhile. The first try is on ``start`` (the claimed or
+        renewed version), no re-read: a change since then fails the compare-and-set, and
+        only then is the entry read again.
+
+        Raises:
+            EntryTooLarge: the entry store refuses the recorded entry for its size.
+            RevisionConflict: every try lost (:data:`RECORD_TRIES`).
+            StoreUnavailable.
+        """
+        versions = cas.versions(self.stores.entries, start, tries=RECORD_TRIES, pause=self._pause)
+        async for v in versions:
             if v is None:
-                log.info("queue %s: deleted during delivery", item.queue_id)
-                await due.ack()
-                return
+                return None
             now = self.clock()
             new, recorded = state.record(
-                v.entry, item.domain, delivery.replies, now, self._policy(v.entry), self.rng
+                v.entry,
+                domain,
+                delivery.replies,
+                now,
+                self._policy(v.entry),
+                self.rng,
+                reply_octets=octets,
             )
             try:
                 if self._removable(new, now):
@@ -318,110 +366,79 @@ class Worker:
                     # between leaves an orphan body for the reconciler, never an entry
                     # without its body.
                     await self.stores.entries.delete(new.id, revision=v.revision)
-                    v, removed = Versioned(new, v.revision), True
-                else:
-                    v = await self._update(new, v.revision)
-                break
+                    return _Outcome(Versioned(new, v.revision), recorded, True, now)
+                return _Outcome(await self._update(new, v.revision), recorded, False, now)
             except RevisionConflict:
                 continue
+        raise AssertionError("unreachable: versions() raises when its tries run out")
+
+    def _cut_further(self, entry: Entry, domain: str, octets: int, error: EntryTooLarge) -> None:
+        """Say that an attempt was recorded with its replies cut to ``octets`` octets."""
+        detail = f"{domain}: replies recorded cut to {octets} octets ({error})"
+        log.warning("queue %s: entry too large; %s", entry.id, detail)
+        self.observer.emit(
+            entry_event(
+                EventKind.TOO_LARGE,
+                entry,
+                source=f"worker:{self.owner}",
+                at=self.clock(),
+                detail=detail,
+            )
+        )
+
+    async def _hold(self, due: Due, start: Versioned | str, error: EntryTooLarge) -> None:
+        """The entry store refuses what this worker has to write for its size: hold the
+        entry (as an operator's hold does), give back our lease, keep the reason in
+        ``last_error``, say why (error log line, ``too_large`` and ``held`` events) and
+        settle the work item. Nothing of the entry is sent again until it is released.
+
+        Raises:
+            StoreUnavailable: the item stays unsettled (it comes back after the ack wait).
+            RevisionConflict: every try lost (:data:`RECORD_TRIES`); unsettled likewise.
+        """
+        item = due.item
+        reason = f"entry too large to store ({item.domain}): {error}"
+
+        async def write(entry: Entry, revision: int) -> Versioned:
+            try:
+                return Versioned(entry, await self.stores.entries.update(entry, revision))
+            except EntryTooLarge:  # the reason itself does not fit beside the entry
+                bare = entry.model_copy(update={"last_error": None})
+                return Versioned(bare, await self.stores.entries.update(bare, revision))
+
+        try:
+            changed = await cas.change(
+                self.stores.entries,
+                start,
+                lambda e: state.hold(e, item.domain, self.owner, reason),
+                write=write,
+                tries=RECORD_TRIES,
+                pause=self._pause,
+            )
+        except EntryNotFound:
+            log.info("queue %s: deleted meanwhile (%s)", item.queue_id, reason)
         else:
-            raise RevisionConflict(f"queue {item.queue_id}: could not record outcomes")
-        self._log_attempt(v.entry, item.domain, recorded, started, now, delivery.host)
-        if removed:
-            if v.entry.inline_body is None:
-                await self.stores.bodies.delete(v.entry.id)
-            log.info("queue %s: done, removed", v.entry.id)
-        else:
-            if v.entry.inline_body is not None and recorded.retry_delay_s is not None:
-                v = await self._move_body_out(v)
-            await self._finish(v)
-        if recorded.retry_delay_s is None:
-            await due.ack()
-        else:
-            await due.retry(recorded.retry_delay_s)
+            entry = changed.after.entry if changed.after is not None else changed.before.entry
+            log.error("queue %s: held: %s; release it to deliver again", entry.id, reason)
+            source, at = f"worker:{self.owner}", self.clock()
+            for kind in (EventKind.TOO_LARGE, EventKind.HELD):
+                self.observer.emit(entry_event(kind, entry, source=source, at=at, detail=reason))
+        await due.ack()
 
     async def _update(self, entry: Entry, revision: int) -> Versioned:
-        """Compare-and-set ``entry`` at ``revision``. Replies and leases make an entry grow
-        after its ingest: one the entry store refuses as too large with its inline body
-        gets the body put in the body store and is written without it, so a claim or the
-        record of what was sent is never refused for its size.
+        """Compare-and-set ``entry`` at ``revision`` (:func:`jsqueue.store.layout.update_entry`:
+        an entry too large with its inline body is written without it).
 
         Raises:
             RevisionConflict, EntryTooLarge (too large even without a body),
             StoreUnavailable.
         """
-        try:
-            return Versioned(entry, await self.stores.entries.update(entry, revision))
-        except EntryTooLarge:
-            if entry.inline_body is None:
-                raise
-        await self.stores.bodies.put(entry.id, one_chunk(entry.inline_body))
-        log.info("queue %s: body moved to the body store (entry too large with it)", entry.id)
-        without = entry.model_copy(update={"inline_body": None})
-        return Versioned(without, await self.stores.entries.update(without, revision))
-
-    async def _move_body_out(self, v: Versioned) -> Versioned:
-        """A destination of an entry with an inline body was deferred: the body moves to
-        the body store, so that queued mail keeps metadata only in its entry and later
-        writes do not carry the body. Done after the outcomes are recorded (the recording
-        is not delayed); the entry is read again when another writer (another destination's
-        worker, an admin action) got in between. Best effort: if the move fails, the entry
-        keeps its inline body (a body stored meanwhile is an orphan, removed by the
-        reconciler once the entry is gone).
-
-        Returns:
-            the entry as now stored (unchanged when the move failed).
-        """
-        assert v.entry.inline_body is not None
-        try:
-            await self.stores.bodies.put(v.entry.id, one_chunk(v.entry.inline_body))
-            async for fresh in self._versions(v):
-                if fresh is None or fresh.entry.inline_body is None:
-                    return v  # removed, or moved by another writer meanwhile
-                v = fresh
-                moved = v.entry.model_copy(update={"inline_body": None})
-                try:
-                    v = Versioned(moved, await self.stores.entries.update(moved, v.revision))
-                except RevisionConflict:
-                    continue
-                log.debug("queue %s: deferred, body moved to the body store", moved.id)
-                return v
-        except StoreUnavailable as e:
-            log.info("queue %s: inline body kept (moving it out failed: %s)", v.entry.id, e)
-        return v
-
-    async def _versions(self, v: Versioned) -> AsyncIterator[Versioned | None]:
-        """The versions to try a compare-and-set on: ``v``, then, each time the caller's
-        write lost and it asks again, the entry read anew (None once it is gone) after a
-        short random pause (:meth:`_pause`); :data:`RECORD_TRIES` in all. The caller stops
-        asking once its write went through."""
-        yield v
-        for attempt in range(1, RECORD_TRIES):
-            await asyncio.sleep(self._pause(attempt))
-            yield await self._get(v.entry.id)
+        return await layout.update_entry(self.stores, entry, revision)
 
     def _pause(self, attempt: int) -> float:
-        """A random pause before compare-and-set try ``attempt`` (1, 2, ...), seconds: none
-        before the first re-read, then growing up to :data:`RECORD_PAUSE_MAX_S`."""
-        if attempt < 2:
-            return 0.0
-        return self.rng.uniform(0, min(RECORD_PAUSE_MAX_S, 0.005 * attempt))
-
-    def _body(self, entry: Entry) -> AsyncIterator[bytes]:
-        """The body to send at DATA. A stored body deleted meanwhile (admin delete) raises
-        BodyNotFound there and the transaction is abandoned before its final dot (RFC 5321
-        §4.1.1.4); an inline body travels with the claimed entry, so the entry is read
-        again first to give a delete the same effect (one read, as a stored body's is)."""
-        if entry.inline_body is None:
-            return open_entry_body(self.stores.bodies, entry)
-        return self._inline_if_queued(entry)
-
-    async def _inline_if_queued(self, entry: Entry) -> AsyncIterator[bytes]:
-        if await self._get(entry.id) is None:
-            raise BodyNotFound(f"{entry.id} (entry deleted during delivery)")
-        async with contextlib.aclosing(open_entry_body(self.stores.bodies, entry)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        """The random growing pause before recording try ``attempt``, seconds
+        (:func:`jsqueue.store.cas.growing_pause`, up to :data:`RECORD_PAUSE_MAX_S`)."""
+        return cas.growing_pause(self.rng, RECORD_PAUSE_MAX_S)(attempt)
 
     def _removable(self, entry: Entry, now: datetime) -> bool:
         """Final, not a DSN (those stay, see :meth:`_finish`) and owing no DSN."""
@@ -438,7 +455,8 @@ class Worker:
             await asyncio.sleep(interval)
             with contextlib.suppress(StoreUnavailable):
                 await due.in_progress()
-            with contextlib.suppress(StoreUnavailable):
+            # A renewal is no larger than the claim: a size refusal is not expected here.
+            with contextlib.suppress(StoreUnavailable, EntryTooLarge):
                 await self._renew(due.item.domain, held)
 
     async def _renew(self, domain: str, held: _Held) -> None:
@@ -460,8 +478,13 @@ class Worker:
                 held.version = fresh
 
     async def _finish(self, v: Versioned) -> None:
-        """Send owed DSNs of a settled entry; delete a final entry and its body."""
-        for _ in range(CAS_TRIES):
+        """Send owed DSNs of a settled entry; delete a final entry and its body. Read again
+        after a lost compare-and-set, :data:`~jsqueue.store.cas.CAS_TRIES` times at most
+        (then the next work item of the entry finishes it)."""
+        async for fresh in cas.versions(self.stores.entries, v, strict=False):
+            if fresh is None:
+                return
+            v = fresh
             if not state.settled(v.entry):
                 return
             marked = await self.notifier.notify(v.entry, self.clock())
@@ -473,7 +496,7 @@ class Worker:
                         await self.stores.bodies.delete(v.entry.id)
                     if v.entry.is_dsn:
                         # A final DSN entry stays (without body) so that a DSN re-enqueued
-                        # after a crash finds it and is not sent twice (jsqueue.bounce);
+                        # after a crash finds it and is not sent twice (jsqueue.dsn.notifier);
                         # the reconciler removes it after its retention.
                         log.info("queue %s: DSN done, body removed, entry kept", v.entry.id)
                     else:
@@ -481,10 +504,7 @@ class Worker:
                         log.info("queue %s: done, removed", v.entry.id)
                 return
             except RevisionConflict:
-                fresh = await self._get(v.entry.id)
-                if fresh is None:
-                    return
-                v = fresh
+                continue
 
     # ------------------------------------------------------------------ logging
 
@@ -495,11 +515,15 @@ class Worker:
         recorded: state.Recorded,
         started: datetime,
         now: datetime,
-        tried: str | None = None,
+        delivery: Attempt,
+        *,
+        events: bool = True,
     ) -> None:
-        """One line per recipient: ``mx=`` is the host whose reply was recorded, else the
-        host the attempt tried (``tried``), else ``-`` (no host reached, e.g. a DNS failure);
+        """One line per recipient, and (with ``events``) one event: the attempt's whole
+        reply (the entry keeps it bounded). ``mx=`` is the host whose reply was recorded,
+        else the host the attempt tried, else ``-`` (no host reached, e.g. a DNS failure);
         the JSON field ``mx`` is null in that last case."""
+        tried = delivery.host
         took = (now - started).total_seconds()
         age = (now - entry.created_at).total_seconds()
         groups = (
@@ -511,7 +535,7 @@ class Worker:
         for kind, rcpts in groups:
             outcome = kind.value
             for r in rcpts:
-                reply = r.last_reply
+                reply = delivery.replies.get(r.address) or r.last_reply
                 mx = (reply.remote_host if reply else None) or tried
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
@@ -539,8 +563,15 @@ class Worker:
                         "next_attempt_at": r.next_attempt_at,
                     },
                 )
+        if not events:
+            return
         for event in attempt_events(
-            entry, groups, source=f"worker:{self.owner}", at=now, duration_s=took
+            entry,
+            groups,
+            source=f"worker:{self.owner}",
+            at=now,
+            duration_s=took,
+            replies=delivery.replies,
         ):
             self.observer.emit(event)
 

@@ -112,7 +112,7 @@ def test_review_final_entries() -> None:
     old_dsn = entry(RecipientState.DELIVERED, age=timedelta(days=2), is_dsn=True)
     assert [a.kind for a in decide(old_dsn, has_body=False)] == [ActionKind.REMOVE]
     kept_dsn = entry(RecipientState.DELIVERED, is_dsn=True)
-    assert decide(kept_dsn, has_body=False) == []  # kept on purpose (jsqueue.bounce)
+    assert decide(kept_dsn, has_body=False) == []  # kept on purpose (jsqueue.dsn.notifier)
     unfinished = entry(RecipientState.DELIVERED, age=timedelta(hours=2), is_dsn=True)
     assert [a.kind for a in decide(unfinished, has_body=True)] == [ActionKind.FINISH]
 

@@ -21,6 +21,7 @@ from jsqueue.state import (
     expire_all,
     flushed,
     held,
+    hold,
     record,
     release,
     released_from_hold,
@@ -282,3 +283,39 @@ def test_operator_changes() -> None:
     assert b2 is not None
     assert [x.state for x in b2.recipients] == [RecipientState.FAILED, RecipientState.FAILED]
     assert all(x.last_reply == reply for x in b2.recipients)
+
+
+def test_recorded_replies_are_bounded_utf8_safe() -> None:
+    """A long multi-line reply (RFC 5321 §4.2.1) is kept cut to
+    :data:`~jsqueue.replies.STORED_REPLY_OCTETS` octets with the marker, never inside a
+    UTF-8 sequence; codes and remote host stay; a short reply is kept as it is."""
+    long_text = "\n".join("Grüße ü€ " * 30 for _ in range(10))
+    e = make_entry("a@mixed.example.test", "b@mixed.example.test")
+    outcomes = {
+        "a@mixed.example.test": reply(250, "2.0.0", long_text),
+        "b@mixed.example.test": reply(450, "4.2.1", "short"),
+    }
+    new, _ = record(e, "mixed.example.test", outcomes, T0, POLICY, random.Random(1))
+    a, b = (r.last_reply for r in new.recipients)
+    assert a is not None and b is not None
+    assert len(a.text.encode()) <= replies.STORED_REPLY_OCTETS
+    assert a.text.endswith(replies.CUT_MARKER) and long_text.startswith(a.text[:-6])
+    assert (a.code, a.enhanced, a.remote_host) == (250, "2.0.0", "mx.mixed.example.test")
+    assert b == outcomes["b@mixed.example.test"]
+    assert a.bounded() == a
+    for octets in range(0, 40):
+        cut = Reply(code=250, text="€" * 20).bounded(octets)
+        assert cut.text == "[...]" or cut.text == "€" * cut.text.count("€") + replies.CUT_MARKER
+        assert len(cut.text.encode()) <= max(octets, 5)
+
+
+def test_hold_gives_back_only_the_owners_lease() -> None:
+    """An entry the entry store refuses for its size is held with the reason; the
+    holder's lease goes, another owner's stays (pure)."""
+    e = claim(make_entry("a@mixed.example.test"), "mixed.example.test", "w1", T0, 60)
+    mine = hold(e, "mixed.example.test", "w1", "too large")
+    assert mine.held and mine.last_error == "too large" and not mine.leases
+    assert mine.recipients[0].state is RecipientState.PENDING
+    theirs = hold(e, "mixed.example.test", "w2", "too large")
+    assert theirs.held and "mixed.example.test" in theirs.leases
+    assert not e.held, "the input is not changed"

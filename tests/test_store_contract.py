@@ -36,10 +36,10 @@ from jsqueue.store.base import (
     EntryStore,
     Scheduler,
     Stores,
-    open_entry_body,
 )
 from jsqueue.store.cache import UNCACHED_MAX, CachedBodyStore
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
+from jsqueue.store.layout import open_entry_body
 from support.nats import (
     ACK_WAIT_S,
     backlog_is,

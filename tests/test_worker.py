@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import email
 import email.policy
+import logging
 from datetime import timedelta
 from email.message import EmailMessage
 
@@ -19,7 +20,10 @@ import pytest
 from jsqueue.admin import Admin
 from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
+from jsqueue.events import Event, EventKind
+from jsqueue.metrics import Metrics
 from jsqueue.names import new_queue_id
+from jsqueue.replies import CUT_MARKER, STORED_REPLY_OCTETS
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.views import Outcome
@@ -381,34 +385,171 @@ async def test_moving_a_deferred_inline_body_out_survives_another_writer(
 async def test_an_inline_body_leaves_an_entry_that_its_replies_make_too_large(
     queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``smtp.inline_body_max``: a long multi-line 4yz (RFC 5321 §4.2.1) recorded on an
-    entry with an inline body would take it past what the entry store holds; the body goes
-    to the body store first, so the outcome is recorded (not refused for its size, which
-    would send the message again after the lease), and the later attempt delivers it."""
+    """``smtp.inline_body_max``: long multi-line 4yz replies (RFC 5321 §4.2.1) recorded on
+    an entry with an inline body would take it past what the entry store holds (even kept
+    bounded, 12 recipients' worth); the body goes to the body store first, so the outcome is
+    recorded (not refused for its size, which would send the message again after the
+    lease), and the later attempt delivers it."""
     h = queue_harness
     h.settings.smtp.inline_body_max = INLINE_MAX
     h.configure(retry={"base_s": 1.0})
     h.dns.add(one_mx("long-reply.example.test", "127.0.2.19"))
     limit = 12 * 1024
     monkeypatch.setattr(JetStreamEntryStore, "max_value_size", property(lambda _: limit))
-    message = b"Subject: x\r\n\r\n" + b"body line\r\n" * 300  # 3 KB: fits at ingest
+    message = b"Subject: x\r\n\r\n" + b"body line\r\n" * 180  # 2 KB: fits at ingest
     reply = "\n".join(f"450-4.2.1 busy {i:02d} " + "x" * 480 for i in range(20))
     reply += "\n450 4.2.1 try later"
-    rcpt = "u@long-reply.example.test"
-    async with ScriptedMx("127.0.2.19", h.mx_port, rcpt_replies={rcpt: reply}) as mx:
-        qid = await h.submit(message, [rcpt])
+    rcpts = [f"u{i:02d}@long-reply.example.test" for i in range(12)]
+    async with ScriptedMx("127.0.2.19", h.mx_port, rcpt=reply) as mx:
+        qid = await h.submit(message, rcpts)
         submitted = await h.entry(qid)
         assert submitted is not None and submitted.inline_body is not None
         async with h.running():
-            await eventually(lambda: tried_once(h, qid), what="the long reply recorded")
+            await eventually(lambda: tried_once(h, qid), what="the long replies recorded")
             e = await h.entry(qid)
             assert e is not None and e.inline_body is None
-            assert e.recipients[0].last_reply is not None
-            assert len(e.recipients[0].last_reply.text) > limit // 2
-            mx.rcpt_replies.clear()
+            assert all(r.last_reply is not None for r in e.recipients)
+            assert len(e.to_json()) + len(message) > limit, "too large with the body"
+            mx.rcpt = "250 2.1.5 ok"
             await eventually(lambda: gone(h, qid), what="delivered later")
     [delivered] = mx.delivered
     assert split_body(delivered.content)[1] == message
+
+
+async def test_long_replies_to_many_recipients_are_recorded_and_sent_once(
+    queue_harness: Harness,
+) -> None:
+    """DESIGN.md §2.3: 1 000 recipients at one domain in the default layout (body in the
+    body store), every RCPT and the end of data answered with a 10-line reply of 400
+    characters a line (RFC 5321 §4.2.1). Kept whole, those replies would take the entry
+    past what the entry store holds; the recorded replies are bounded, so the outcome is
+    recorded after the one transaction and the message is never sent again (a refused
+    record used to leave the lease to run out and the message to be sent each cycle)."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0}, worker={"lease_s": 2.0})
+    domain = "many.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.24"))
+
+    def long_reply(code: str, enhanced: str) -> str:
+        lines = [f"{code}-{enhanced} line {i} " + "y" * 400 for i in range(9)]
+        return "\n".join([*lines, f"{code} {enhanced} last " + "z" * 400])
+
+    rcpts = [f"u{i:04d}@{domain}" for i in range(1000)]
+    busy = rcpts[-1]  # one 4yz keeps the entry queued, so its record can be read
+    async with ScriptedMx(
+        "127.0.2.24",
+        h.mx_port,
+        rcpt=long_reply("250", "2.1.5"),
+        rcpt_replies={busy: long_reply("450", "4.2.1")},
+        end_of_data=long_reply("250", "2.0.0"),
+    ) as mx:
+        qid = await h.submit(b"Subject: many\r\n\r\nbody\r\n", rcpts)
+        submitted = await h.entry(qid)
+        assert submitted is not None and submitted.inline_body is None
+        async with h.running():
+
+            async def recorded() -> bool:
+                e = await h.entry(qid)
+                return e is not None and all(r.attempts == 1 for r in e.recipients)
+
+            await eventually(recorded, timeout_s=30.0, what="the attempt recorded")
+            await asyncio.sleep(3 * 2.0)  # past the lease: nothing may start again
+        e = await h.entry(qid)
+        assert e is not None
+        states = [r.state for r in e.recipients]
+        assert states.count(RecipientState.DELIVERED) == 999
+        assert e.recipients[-1].state is RecipientState.DEFERRED
+        assert not e.held
+        reply = e.recipients[0].last_reply
+        assert reply is not None and reply.code == 250 and reply.text.startswith("line 0 ")
+    assert len(mx.delivered) == 1
+    assert [c.split(":")[0].upper() for c in mx.commands].count("MAIL FROM") == 1
+
+
+class _Events:
+    """An observer that keeps every event (and counts them as :class:`Metrics` does)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.metrics = Metrics()
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+        self.metrics.emit(event)
+
+    def kinds(self) -> list[EventKind]:
+        return [e.kind for e in self.events]
+
+
+async def test_an_attempt_the_entry_store_cannot_take_holds_the_entry(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DESIGN.md §2.3: when not even the recipients' states with the replies cut to their
+    codes fit in the entry store, the worker holds the entry (as ``queue hold`` does) and
+    says why: an error line, ``too_large`` and ``held`` events, the
+    ``jsqueue_entry_too_large_total`` counter. The message is never sent again; the log line
+    and the delivered event carry the whole reply (the entry keeps it bounded)."""
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0}, worker={"lease_s": 2.0})
+    domain = "tight.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.25"))
+    whole = "\n".join(f"250-2.0.0 part {i} " + "w" * 300 for i in range(4)) + "\n250 2.0.0 ok"
+    rcpts = [f"u{i}@{domain}" for i in range(10)]
+    busy = {rcpts[-1]: "450 4.2.1 busy"}  # keeps the entry: recorded, not removed
+    async with ScriptedMx("127.0.2.25", h.mx_port, rcpt_replies=busy, end_of_data=whole) as mx:
+        qid = await h.submit(b"Subject: tight\r\n\r\nbody\r\n", rcpts)
+        submitted = await h.entry(qid)
+        assert submitted is not None
+        limit = len(submitted.to_json()) + 200  # the claim fits, no record of 10 does
+        monkeypatch.setattr(JetStreamEntryStore, "max_value_size", property(lambda _: limit))
+        seen = _Events()
+        async with h.running(h.worker(observer=seen)):
+
+            async def held() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.held
+
+            await eventually(held, what="the entry held")
+            await asyncio.sleep(3 * 2.0)  # past the lease: nothing may start again
+        e = await h.entry(qid)
+        assert e is not None and e.held and not e.leases
+        assert e.last_error is not None and "too large" in e.last_error
+    assert len(mx.delivered) == 1
+    assert [c.split(":")[0].upper() for c in mx.commands].count("MAIL FROM") == 1
+    assert EventKind.TOO_LARGE in seen.kinds() and EventKind.HELD in seen.kinds()
+    assert seen.metrics.registry.get_sample_value("jsqueue_entry_too_large_total") == 1
+    assert any(
+        r.levelname == "ERROR" and "held" in r.getMessage() and qid in r.getMessage()
+        for r in caplog.records
+    )
+    assert any("part 3" in r.getMessage() for r in caplog.records), "the whole reply logged"
+
+
+async def test_events_and_log_lines_carry_the_whole_reply(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The entry keeps a reply bounded (:data:`~jsqueue.replies.STORED_REPLY_OCTETS`), the
+    log line and the event of the attempt get it whole (RFC 5321 §4.2.1 multi-line)."""
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0})
+    domain = "wordy.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.26"))
+    wordy = "\n".join(f"450-4.2.1 reason {i} " + "v" * 300 for i in range(5)) + "\n450 4.2.1 end"
+    async with ScriptedMx("127.0.2.26", h.mx_port, rcpt=wordy):
+        qid = await h.submit(b"Subject: wordy\r\n\r\nbody\r\n", [f"u@{domain}"])
+        seen = _Events()
+        async with h.running(h.worker(observer=seen)):
+            await eventually(lambda: tried_once(h, qid), what="the 450 recorded")
+    e = await h.entry(qid)
+    assert e is not None and e.recipients[0].last_reply is not None
+    stored = e.recipients[0].last_reply.text
+    assert len(stored.encode()) <= STORED_REPLY_OCTETS and stored.endswith(CUT_MARKER)
+    [deferred] = [ev for ev in seen.events if ev.kind is EventKind.DEFERRED]
+    assert deferred.reply is not None and deferred.reply.text.endswith("end")
+    assert "reason 4" in deferred.reply.text
+    assert any("reason 4" in r.getMessage() for r in caplog.records if qid in r.getMessage())
 
 
 async def test_a_slow_delivery_keeps_its_lease_and_is_sent_once(queue_harness: Harness) -> None:

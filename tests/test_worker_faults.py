@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from test_worker import SENDER_ZONE, dsn_parts, gone
 
+from jsqueue.delivery.base import BodySource
 from jsqueue.envelope import Entry, Recipient, RecipientState
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.jetstream.work import JetStreamDue
-from jsqueue.worker import BodySource, Worker
+from jsqueue.worker import Worker
 from support.cases import case_message, case_text
 from support.mx import SILENT, ScriptedMx, SmtpdMx
 from support.queue import Harness, eventually

@@ -1,20 +1,8 @@
-"""Where to send mail for a destination domain: MX resolution (RFC 5321 §5.1, RFC 7505).
-
-A :class:`Resolver` turns a routing domain into the ordered list of :class:`MxTarget` the
-SMTP client tries, one TCP connection each, first to last:
-
-* :class:`DnsResolver` looks up MX records with dnspython's asyncio resolver. Records are
-  sorted by preference, equal preferences shuffled (RFC 5321 §5.1); each MX host's A and
-  AAAA records give its addresses. A domain without MX records (NOERROR/NODATA) is its own
-  implicit MX (its A/AAAA records). A null MX (a single ``MX 0 .``, RFC 7505) fails
-  permanently with ``5.1.10`` without any connection; NXDOMAIN fails permanently with
-  ``5.1.2``; SERVFAIL, timeouts and CNAME loops fail temporarily with ``4.4.3``. CNAMEs are
-  followed at the domain and at the MX host names (at most :data:`MAX_CNAME_HOPS`).
-  Address literals (``[127.0.0.1]``, ``[ipv6:::1]``, RFC 5321 §4.1.3) bypass DNS.
-* :class:`SmarthostResolver` sends everything to one relay (``worker.smarthost``).
-* :class:`StaticResolver` returns fixed targets (tests, fixed routes).
-
-:func:`resolver_from_settings` builds the right one from :class:`~jsqueue.config.WorkerSettings`.
+"""Where to send mail for a destination domain (RFC 5321 §5.1, RFC 7505): a
+:class:`Resolver` turns a routing domain into the ordered :class:`MxTarget` list the SMTP
+client tries, by DNS (:class:`DnsResolver`), to one relay (:class:`SmarthostResolver`) or
+fixed (:class:`StaticResolver`); :func:`resolver_from_settings` picks one. The rules are in
+``docs/architecture.md`` (Delivery, MX resolution).
 """
 
 from __future__ import annotations

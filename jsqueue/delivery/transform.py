@@ -1,18 +1,8 @@
-"""Pure byte transformations the SMTP client applies to a message on its way out.
-
-* :class:`DotStuffer`: streaming DATA transparency (RFC 5321 §4.5.2) and line-ending
-  canonicalisation (RFC 5321 §2.3.8), chunk by chunk, with state carried across chunk
-  boundaries so a 25 MB body never has to be in memory at once.
-* :func:`to_7bit`: 8-bit MIME to 7-bit MIME for a next hop without 8BITMIME (RFC 6152 §3,
-  RFC 2045 §6): every leaf part that holds 8-bit octets (or lines longer than 998 octets) is
-  re-encoded, ``text/*`` as quoted-printable, everything else as base64. The encoded part
-  decodes to exactly the original octets (line breaks of text parts as CRLF). **The
-  conversion changes the body, so it invalidates DKIM signatures (RFC 6376 §5.3) that cover
-  it**; jsqueue converts anyway (delivery beats a broken signature, as Sendmail and Postfix
-  do) and never claims the signature is still valid. Headers are left byte-for-byte except
-  the ``Content-Transfer-Encoding`` of converted parts.
-
-Nothing here does I/O.
+"""Pure byte transformations the SMTP client applies to a message on its way out: streaming
+dot-stuffing and line-ending canonicalisation (:class:`DotStuffer`, RFC 5321 §4.5.2,
+§2.3.8) and 8-bit to 7-bit MIME for a next hop without 8BITMIME (:func:`to_7bit`, RFC 6152
+§3, which invalidates DKIM body signatures); no I/O. Details in ``docs/architecture.md``
+(Delivery, message transformations).
 """
 
 from __future__ import annotations

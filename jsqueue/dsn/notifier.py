@@ -17,7 +17,8 @@ from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem
 from jsqueue.errors import EntryExists
 from jsqueue.names import derived_queue_id
 from jsqueue.retry import RetryPolicy
-from jsqueue.store.base import Stores, one_chunk, open_entry_body
+from jsqueue.store.base import Stores
+from jsqueue.store.layout import one_chunk, open_entry_body
 
 log = logging.getLogger("jsqueue.bounce")
 

@@ -8,7 +8,6 @@ included; ``tests/test_store_contract.py`` runs one suite against both.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState, WorkItem
-from jsqueue.errors import BodyCorrupt, EntryTooLarge, InvalidName
+from jsqueue.errors import EntryTooLarge, InvalidName
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,8 @@ class EntryStore(Protocol):
     def max_value_size(self) -> int:
         """The largest stored form of an entry (:meth:`Entry.to_json`, inline body
         included) the store takes, octets; a larger one raises EntryTooLarge (a
-        StoreUnavailable). The front end keeps a body inline only while its entry stays
-        well below it."""
+        StoreError, not an outage: retrying cannot help). The front end keeps a body
+        inline only while its entry stays well below it."""
         ...
 
     async def create(self, entry: Entry) -> int:
@@ -426,37 +425,3 @@ def encode_entry(entry: Entry, max_size: int) -> bytes:
             f"entry {entry.id}: {len(data)} octets exceed the maximum of {max_size}"
         )
     return data
-
-
-async def one_chunk(data: bytes) -> AsyncGenerator[bytes, None]:
-    """``data`` as a stream of one chunk (for :meth:`BodyStore.put` of a body in memory)."""
-    yield data
-
-
-def open_entry_body(bodies: BodyStore, entry: Entry) -> AsyncGenerator[bytes, None]:
-    """Stream an entry's message: its inline body, or else the body store's copy.
-
-    Either way the octets are checked against the entry's size and SHA-256 digest before
-    the last chunk is yielded, as :meth:`BodyStore.open` does, so a consumer that sends the
-    final chunk only after the iterator ends never delivers a damaged body.
-
-    Raises:
-        BodyNotFound: the body is neither inline nor stored.
-        BodyCorrupt: the octets do not match the entry's size and digest.
-        StoreUnavailable: the body store failed.
-    """
-    if entry.inline_body is not None:
-        return _inline_body(entry)
-    expect = BodyInfo(size=entry.size, digest=entry.digest) if entry.digest else None
-    return bodies.open(entry.id, expect=expect)
-
-
-async def _inline_body(entry: Entry) -> AsyncGenerator[bytes, None]:
-    body = entry.inline_body
-    assert body is not None
-    if len(body) != entry.size or (
-        entry.digest and hashlib.sha256(body).hexdigest() != entry.digest
-    ):
-        raise BodyCorrupt(f"body {entry.id}: inline body does not match its size and digest")
-    if body:
-        yield body

@@ -1,21 +1,20 @@
-"""Compare-and-set on queue entries: the one retry loop every writer uses.
-
-Every state change of an entry is a compare-and-set on its store revision (DESIGN.md §2.3).
-A lost compare-and-set means another writer got through first (a worker recording another
-destination, an admin action, a DSN mark); the writer reads the entry again and decides
-anew. :func:`versions` yields the versions to try, :func:`change` applies a pure function
-to the entry and writes the result. The worker, the admin operations and the DSN notifier
-all go through here, so the loop, its bound and its pauses live in one place.
+"""Compare-and-set on queue entries, the one retry loop every writer uses (DESIGN.md §2.3):
+a lost compare-and-set means another writer got through first, so the writer reads the
+entry again and decides anew; :func:`versions` yields the versions to try (:func:`reads`
+also says whether a missing entry was deleted), :func:`change` applies a pure function to
+the entry and writes the result, and :func:`growing_pause` is the random growing pause of
+contended writers, so the loop, its bound and its pauses live in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from jsqueue.envelope import Entry
-from jsqueue.errors import EntryNotFound, RevisionConflict
+from jsqueue.errors import EntryDeleted, EntryNotFound, RevisionConflict
 from jsqueue.store.base import EntryStore, Versioned
 
 #: Compare-and-set tries of one change before it gives up (RevisionConflict).
@@ -33,6 +32,38 @@ def no_pause(attempt: int) -> float:
     return 0.0
 
 
+def growing_pause(rng: random.Random, max_s: float = 0.1, step_s: float = 0.005) -> Pause:
+    """A random pause that grows with the try: none before the first re-read, then uniform
+    in ``[0, min(max_s, step_s * n))`` seconds before try ``n``. For writers that meet
+    contention and must not give up soon (a worker recording what it sent): the randomness
+    spreads writers that lost together.
+
+    Args:
+        rng: the random source (tests pass a seeded one).
+        max_s: the longest pause, seconds.
+        step_s: the growth of the bound per try, seconds.
+    """
+
+    def pause(attempt: int) -> float:
+        if attempt < 2:
+            return 0.0
+        return rng.uniform(0, min(max_s, step_s * attempt))
+
+    return pause
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """No entry under the id (what :func:`reads` yields instead of a version).
+
+    Attributes:
+        deleted: the store knows it was deleted lately (:class:`EntryDeleted`), as opposed
+            to not stored yet or long gone.
+    """
+
+    deleted: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Changed:
     """What :func:`change` did.
@@ -46,12 +77,45 @@ class Changed:
     after: Versioned | None
 
 
+async def reads(
+    entries: EntryStore,
+    start: Versioned | str,
+    *,
+    tries: int = CAS_TRIES,
+    pause: Pause = no_pause,
+    strict: bool = True,
+) -> AsyncIterator[Versioned | Gone]:
+    """As :func:`versions`, with :class:`Gone` (which says whether the store knows of a
+    delete) instead of None for a missing entry.
+
+    Raises:
+        RevisionConflict: ``strict`` and the caller asked for more than ``tries`` versions.
+        StoreUnavailable: a read failed.
+    """
+    queue_id = start if isinstance(start, str) else start.entry.id
+    for attempt in range(tries):
+        if attempt == 0 and isinstance(start, Versioned):
+            yield start
+            continue
+        if attempt:
+            delay = pause(attempt)
+            if delay > 0:
+                await asyncio.sleep(delay)
+        try:
+            yield await entries.get(queue_id)
+        except EntryNotFound as e:
+            yield Gone(deleted=isinstance(e, EntryDeleted))
+    if strict:
+        raise RevisionConflict(f"entry {queue_id}: changed {tries} times meanwhile")
+
+
 async def versions(
     entries: EntryStore,
     start: Versioned | str,
     *,
     tries: int = CAS_TRIES,
     pause: Pause = no_pause,
+    strict: bool = True,
 ) -> AsyncIterator[Versioned | None]:
     """The versions of one entry to try a compare-and-set on.
 
@@ -66,26 +130,16 @@ async def versions(
         start: a version already read, or the queue id to read.
         tries: versions yielded at most.
         pause: the pause before each re-read.
+        strict: raise when the tries run out; False ends the iteration instead (for a
+            caller with its own answer to "every write lost").
 
     Raises:
-        RevisionConflict: the caller asked for more than ``tries`` versions (every write
-            lost).
+        RevisionConflict: ``strict`` and the caller asked for more than ``tries`` versions
+            (every write lost).
         StoreUnavailable: a read failed.
     """
-    queue_id = start if isinstance(start, str) else start.entry.id
-    for attempt in range(tries):
-        if attempt == 0 and isinstance(start, Versioned):
-            yield start
-            continue
-        if attempt:
-            delay = pause(attempt)
-            if delay > 0:
-                await asyncio.sleep(delay)
-        try:
-            yield await entries.get(queue_id)
-        except EntryNotFound:
-            yield None
-    raise RevisionConflict(f"entry {queue_id}: changed {tries} times meanwhile")
+    async for v in reads(entries, start, tries=tries, pause=pause, strict=strict):
+        yield None if isinstance(v, Gone) else v
 
 
 async def change(

@@ -28,9 +28,10 @@ from jsqueue.envelope import Entry, Recipient, RecipientState, utcnow
 from jsqueue.errors import EntryNotFound
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
-from jsqueue.store.base import Due, Scheduler, Stores, open_entry_body
+from jsqueue.store.base import Due, Scheduler, Stores
 from jsqueue.store.jetstream import open_jetstream
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
+from jsqueue.store.layout import open_entry_body
 from jsqueue.store.memory import MemoryBodyStore, open_memory
 
 #: Ack wait of the test stores, seconds.

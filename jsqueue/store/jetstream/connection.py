@@ -109,7 +109,7 @@ async def connect_nats(
         if not nc.is_closed:
             log.warning("nats: disconnected")
 
-    async def on_reconnected() -> None:
+    async def reconnected() -> None:
         log.warning("nats: reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
         if on_reconnected is not None:
             await on_reconnected()
@@ -123,7 +123,7 @@ async def connect_nats(
         "reconnect_time_wait": RECONNECT_WAIT_S,
         "error_cb": on_error,
         "disconnected_cb": on_disconnected,
-        "reconnected_cb": on_reconnected,
+        "reconnected_cb": reconnected,
     }
     if settings.user:
         options["user"] = settings.user

@@ -1,0 +1,58 @@
+"""The worker's SMTP :class:`~jsqueue.delivery.base.Deliverer`: MX lookup plus one SMTP
+attempt per destination domain, with the outbound sessions kept between deliveries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from jsqueue.config import WorkerSettings
+from jsqueue.delivery.base import Attempt, BodySource, DeliveryEnvelope
+from jsqueue.delivery.client import deliver_domain
+from jsqueue.delivery.connections import ConnectionCache
+from jsqueue.delivery.resolver import Resolver
+from jsqueue.envelope import Entry, Recipient
+
+__all__ = ["SmtpDeliverer"]
+
+
+class SmtpDeliverer:
+    """Delivers over SMTP: resolves the domain, tries its targets (RFC 5321 §5.1).
+
+    Args:
+        resolver: MX (or smarthost) resolution.
+        settings: the ``worker`` settings section (timeouts, TLS policy, port, connection
+            cache lifetimes in seconds).
+    """
+
+    def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
+        self.resolver = resolver
+        self.settings = settings
+        self.connections = ConnectionCache(
+            idle_s=settings.connection_cache_s,
+            max_age_s=settings.connection_reuse_s,
+            max_idle=settings.concurrency,
+        )
+
+    async def deliver(
+        self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
+    ) -> Attempt:
+        """One attempt for ``recipients`` of ``domain``; see
+        :meth:`jsqueue.delivery.base.Deliverer.deliver`.
+
+        Returns:
+            a reply per recipient address and the host tried. Never raises for remote or
+            DNS trouble (they come back as 4yz/5yz replies). Not idempotent: each call may
+            send the message.
+        """
+        # The worker passes the recipients it claimed: the same as the entry's open ones.
+        envelope = replace(DeliveryEnvelope.from_entry(entry, domain), recipients=tuple(recipients))
+        result = await deliver_domain(
+            self.resolver, envelope, body, self.settings, self.connections
+        )
+        return Attempt(result.replies, result.tried_host)
+
+    async def close(self) -> None:
+        """QUIT the cached sessions. Idempotent."""
+        await self.connections.close()

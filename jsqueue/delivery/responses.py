@@ -1,0 +1,90 @@
+"""SMTP replies as the delivery client records them: an aiosmtplib response turned into a
+:class:`~jsqueue.replies.Reply` (:func:`to_reply`, RFC 5321 §4.2, RFC 3463 enhanced codes)
+and the synthesised replies of a failed hop, with a detail and worded for the smarthost when
+the hop is one (:func:`hop_reply`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from aiosmtplib import SMTPResponse
+
+from jsqueue.replies import (
+    R451_CONNECT_FAILED,
+    R451_CONNECTION_LOST,
+    R451_PROTOCOL_ERROR,
+    R451_SMARTHOST_CONNECT_FAILED,
+    R451_SMARTHOST_CONNECTION_LOST,
+    R451_SMARTHOST_TIMEOUT,
+    R451_TIMEOUT,
+    Reply,
+)
+
+__all__ = ["hop_reply", "to_reply", "with_detail"]
+
+_ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?=\s|$)")
+
+
+def with_detail(base: Reply, detail: str) -> Reply:
+    """``base`` with `` (detail)`` appended to its text; codes unchanged. Pure."""
+    return base.model_copy(update={"text": f"{base.text} ({detail})"})
+
+
+#: MX-worded synthesised replies and their wording for the hop to the smarthost.
+_SMARTHOST_WORDING = (
+    (R451_CONNECT_FAILED, R451_SMARTHOST_CONNECT_FAILED),
+    (R451_CONNECTION_LOST, R451_SMARTHOST_CONNECTION_LOST),
+    (R451_TIMEOUT, R451_SMARTHOST_TIMEOUT),
+)
+
+
+def hop_reply(base: Reply, relay: bool) -> Reply:
+    """``base`` worded for the hop: its smarthost variant when ``relay`` (the target is
+    ``worker.smarthost``) and one exists, else ``base`` itself. Codes never change."""
+    if relay:
+        for mx_worded, relay_worded in _SMARTHOST_WORDING:
+            if base == mx_worded:
+                return relay_worded
+    return base
+
+
+def _clean(text: str) -> str:
+    """Server text as valid UTF-8 without control characters (it goes into JSON and DSNs)."""
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return "".join(c if c >= " " or c == "\n" else " " for c in text)
+
+
+def to_reply(
+    response: SMTPResponse, remote_host: str | None, *, intermediate_ok: bool = False
+) -> Reply:
+    """Turn an aiosmtplib response into a :class:`Reply`.
+
+    Every line of a multi-line reply is kept (joined with ``\\n``); the enhanced status code
+    (RFC 2034, RFC 3463) is taken from the first line when its class matches the basic code
+    and removed from the start of each line that repeats it. A code outside 2xx/4xx/5xx (3xx
+    only where ``intermediate_ok``, i.e. the 354 to DATA) becomes ``451 4.5.0`` protocol error
+    (RFC 5321 §4.2.1), so callers never see an impossible reply.
+
+    Args:
+        response: code and text as parsed by aiosmtplib.
+        remote_host: the MX host name to record in the reply.
+        intermediate_ok: accept 3xx (positive intermediate) codes.
+
+    Returns:
+        the reply, its text valid UTF-8 without control characters (it goes into JSON and
+        DSNs). Pure; never raises.
+    """
+    code = response.code
+    valid = 200 <= code <= 599 and (intermediate_ok or not 300 <= code < 400)
+    if not valid:
+        return with_detail(R451_PROTOCOL_ERROR, f"{remote_host}: unexpected reply code {code}")
+    lines = _clean(response.message).split("\n")
+    enhanced: str | None = None
+    m = _ENHANCED.match(lines[0])
+    if m and m.group(1) == str(code)[0]:
+        enhanced = m.group(0)
+        lines = [
+            line[len(enhanced) :].lstrip() if line.startswith(enhanced) else line for line in lines
+        ]
+    return Reply(code=code, enhanced=enhanced, text="\n".join(lines), remote_host=remote_host)

@@ -1,0 +1,611 @@
+"""One outbound SMTP session with one target (:class:`OutboundSession`): connect, greeting,
+EHLO/HELO, STARTTLS per policy, AUTH to a smarthost, then one transaction for every recipient
+of the destination with the body streamed and dot-stuffed (RFC 5321 §3, §4.5.2); library
+errors become replies here. :mod:`jsqueue.delivery.client` runs one per target in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import ssl
+from collections.abc import Iterable
+
+import aiosmtplib
+from aiosmtplib import SMTPResponse
+
+from jsqueue.config import TlsPolicy, WorkerSettings
+from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
+from jsqueue.delivery.body import BodyCache, aclose
+from jsqueue.delivery.connections import CacheKey, ConnectionCache, IdleSession, quit_smtp
+from jsqueue.delivery.params import notify_param, orcpt_param, size_limit, smtp_path, xtext
+from jsqueue.delivery.resolver import MxTarget
+from jsqueue.delivery.responses import hop_reply, to_reply, with_detail
+from jsqueue.delivery.transform import ConversionError, DotStuffer
+from jsqueue.envelope import Recipient
+from jsqueue.replies import (
+    R451_AUTH_FAILED,
+    R451_BODY_UNAVAILABLE,
+    R451_CONNECT_FAILED,
+    R451_CONNECTION_LOST,
+    R451_PROTOCOL_ERROR,
+    R451_TIMEOUT,
+    R451_TLS_REQUIRED,
+    R501_BAD_FORWARD_PATH,
+    R501_BAD_REVERSE_PATH,
+    R554_8BIT_UNSUPPORTED,
+    R554_SIZE_EXCEEDED,
+    R554_SMTPUTF8_REQUIRED,
+    Reply,
+)
+
+__all__ = ["NextMx", "OutboundSession", "TlsFallback"]
+
+log = logging.getLogger(__name__)
+
+
+class NextMx(Exception):
+    """This target failed before any recipient was accepted: try the next one (RFC 5321
+    §5.1). A signal from :class:`OutboundSession` to :func:`~jsqueue.delivery.client.deliver`,
+    never raised out of the package.
+
+    Attributes:
+        reply: the synthesised (or remote) reply that explains the failure; every recipient
+            gets the last one when no target is left.
+    """
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(str(reply))
+        self.reply = reply
+
+
+class TlsFallback(Exception):
+    """Opportunistic STARTTLS failed in the handshake: reconnect to the same address in
+    plaintext (RFC 7435). A signal to :func:`~jsqueue.delivery.client.deliver`, never raised
+    out of the package."""
+
+
+class _Failed(Exception):
+    """A library call failed; carries the synthesised reply."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(str(reply))
+        self.reply = reply
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _literal_like(host: str) -> bool:
+    if host.startswith("["):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class OutboundSession:
+    """One outbound SMTP connection to one target, for one transaction (package-internal).
+
+    Args:
+        target: the address to connect to (MX, implicit MX, literal or smarthost).
+        envelope: reverse-path and flags of the message.
+        recipients: the recipients to offer, duplicates removed.
+        body: the attempt's body (shared by its sessions).
+        settings: timeouts (seconds), TLS policies, EHLO name, MX port, smarthost AUTH.
+        allow_tls: False after an opportunistic STARTTLS failed on this address.
+    """
+
+    def __init__(
+        self,
+        target: MxTarget,
+        envelope: DeliveryEnvelope,
+        recipients: list[Recipient],
+        body: BodyCache,
+        settings: WorkerSettings,
+        allow_tls: bool,
+    ) -> None:
+        self.target = target
+        self.host = target.host
+        self.envelope = envelope
+        self.recipients = recipients
+        self.body = body
+        self.settings = settings
+        self.allow_tls = allow_tls
+        self.smtp: aiosmtplib.SMTP | None = None
+        self.tls = False
+        self.tls_version: str | None = None
+        self.dsn = False
+        self.converted = False
+        self.opened_at = 0.0
+        # Set once the reply to the final "." was read on a connection still usable.
+        self.reusable = False
+        if target.relay and settings.smarthost is not None:
+            # The relay hop's TLS policy is keyed by the relay's name, not the destination.
+            self.policy = settings.tls_policies.get(target.host.lower(), settings.tls)
+        else:
+            self.policy = settings.tls_policies.get(envelope.domain.lower(), settings.tls)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        """``host [address]`` for logs and reply texts; ``host [address]:port`` for a target
+        with its own port (the smarthost)."""
+        where = f"{self.host} [{self.target.address}]"
+        return where if self.target.port is None else f"{where}:{self.target.port}"
+
+    def _fail(self, base: Reply, detail: str) -> Reply:
+        """A synthesised failure of this hop: ``base`` (worded for the smarthost when the
+        target is one, see :func:`hop_reply`) with ``detail`` appended."""
+        return with_detail(hop_reply(base, self.target.relay), detail)
+
+    def _result(self, replies: dict[str, Reply]) -> DeliveryResult:
+        return DeliveryResult(
+            replies=replies,
+            mx_host=self.host,
+            mx_address=self.target.address,
+            tried_host=self.host,
+            tls=self.tls,
+            tls_version=self.tls_version,
+            dsn=self.dsn,
+            converted_7bit=self.converted,
+        )
+
+    def _translate(self, exc: BaseException, stage: str) -> _Failed:
+        where = self._where()
+        if isinstance(exc, _Failed):
+            return exc
+        if isinstance(exc, TimeoutError | aiosmtplib.SMTPTimeoutError):
+            return _Failed(self._fail(R451_TIMEOUT, f"{where}: {stage}: timed out"))
+        if isinstance(exc, aiosmtplib.SMTPServerDisconnected | ConnectionError):
+            return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc}"))
+        if isinstance(exc, ssl.SSLError):
+            return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
+        if isinstance(exc, aiosmtplib.SMTPResponseException):
+            if exc.code < 0:  # aiosmtplib could not parse the reply (e.g. CASE-19 variant M)
+                return _Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
+            return _Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
+        if isinstance(exc, aiosmtplib.SMTPException | ValueError):
+            return _Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc}"))
+        return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc!r}"))
+
+    async def _command(
+        self, stage: str, timeout_s: float, *args: bytes, intermediate_ok: bool = False
+    ) -> Reply:
+        """Send one command; library failures raise :class:`_Failed` with the reply."""
+        assert self.smtp is not None
+        try:
+            response = await self.smtp.execute_command(*args, timeout=timeout_s)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+            raise self._translate(e, stage) from e
+        return to_reply(response, self.host, intermediate_ok=intermediate_ok)
+
+    async def _connect(self) -> None:
+        s = self.settings
+        port = self.target.port or s.mx_port
+        address = self.target.address
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        loop = asyncio.get_running_loop()
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
+        try:
+            sock.setblocking(False)
+            # asyncio only disables Nagle itself for sockets made with proto=IPPROTO_TCP.
+            # Without this the terminator written after the body waits for the server's
+            # delayed ACK: ~40 ms per message.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            async with asyncio.timeout(s.connect_timeout_s):
+                await loop.sock_connect(sock, (address, port))
+        except (OSError, TimeoutError) as e:
+            sock.close()
+            reason = "timed out" if isinstance(e, TimeoutError) else str(e)
+            where = f"{self.host} [{address}]:{port}"
+            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{where}: {reason}")) from e
+        try:
+            self.smtp = aiosmtplib.SMTP(
+                sock=sock,
+                local_hostname=s.ehlo_name,
+                timeout=s.greeting_timeout_s,
+                start_tls=False,
+                validate_certs=False,
+            )
+        except ValueError as e:  # e.g. an EHLO name with white space
+            sock.close()
+            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
+        try:
+            greeting = await self.smtp.connect()
+        except aiosmtplib.SMTPConnectResponseError as e:
+            reply = self._translate(e, "greeting").reply
+            raise NextMx(self._as_temporary(reply, "greeting")) from e
+        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+            raise NextMx(self._translate(e, "greeting").reply) from e
+        self.opened_at = loop.time()
+        log.debug("%s: greeting %s", self._where(), greeting)
+
+    def _as_temporary(self, reply: Reply, stage: str) -> Reply:
+        """A session-level refusal (greeting, EHLO) is retried later, never a bounce."""
+        if reply.is_temporary:
+            return reply
+        return self._fail(
+            R451_CONNECT_FAILED, f"{self._where()} refused the session at {stage}: {reply}"
+        )
+
+    async def _hello(self) -> dict[str, str]:
+        """EHLO (HELO after a 5xx); returns the lower-cased extension table."""
+        assert self.smtp is not None
+        s = self.settings
+        response, reply = await self._command_or_next(
+            "EHLO", s.mail_timeout_s, b"EHLO", s.ehlo_name.encode()
+        )
+        if reply.is_success:
+            # Lets aiosmtplib's starttls()/login() see the extensions without a new EHLO.
+            self.smtp.last_ehlo_response = response
+            return dict(self.smtp.esmtp_extensions)
+        if reply.code == 421 or not reply.is_permanent:
+            raise NextMx(self._as_temporary(reply, "EHLO"))
+        response, helo = await self._command_or_next(
+            "HELO", s.mail_timeout_s, b"HELO", s.ehlo_name.encode()
+        )
+        if not helo.is_success:
+            raise NextMx(self._as_temporary(helo, "HELO"))
+        self.smtp.last_helo_response = response
+        return {}
+
+    async def _command_or_next(
+        self, stage: str, timeout_s: float, *args: bytes
+    ) -> tuple[SMTPResponse, Reply]:
+        """A command before any recipient is accepted: any failure means next MX."""
+        assert self.smtp is not None
+        try:
+            response = await self.smtp.execute_command(*args, timeout=timeout_s)
+            return response, to_reply(response, self.host)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+            raise NextMx(self._translate(e, stage).reply) from e
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self.policy is TlsPolicy.VERIFY:
+            ca = self.settings.tls_ca_file
+            ctx = ssl.create_default_context(cafile=str(ca) if ca else None)
+        else:
+            # RFC 7435: opportunistic (and "required" without verification) encrypts
+            # against passive listeners only; any certificate is accepted.
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    async def _starttls(self, extensions: dict[str, str]) -> dict[str, str]:
+        """STARTTLS per policy; returns the extensions to use afterwards."""
+        assert self.smtp is not None
+        policy = self.policy
+        if policy is TlsPolicy.NEVER or (policy is TlsPolicy.OPPORTUNISTIC and not self.allow_tls):
+            return extensions
+        required = policy in (TlsPolicy.REQUIRED, TlsPolicy.VERIFY)
+        if "starttls" not in extensions:
+            if required:
+                raise NextMx(
+                    with_detail(R451_TLS_REQUIRED, f"{self._where()}: STARTTLS not offered")
+                )
+            return extensions
+        sni = None if _literal_like(self.host) else self.host
+        if policy is TlsPolicy.VERIFY and sni is None:
+            raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self._where()}: no name to verify"))
+        try:
+            await self.smtp.starttls(
+                server_hostname=sni,
+                tls_context=self._tls_context(),
+                timeout=self.settings.mail_timeout_s,
+            )
+        except aiosmtplib.SMTPResponseException as e:
+            # The server refused STARTTLS (e.g. 454) but the plaintext session is intact.
+            if e.code == 421 or required or not self.smtp.is_connected:
+                reason = f"STARTTLS refused: {e.code} {e.message}"
+                base = R451_TLS_REQUIRED if required else R451_CONNECTION_LOST
+                raise NextMx(self._fail(base, f"{self._where()}: {reason}")) from e
+            log.warning(
+                "%s: STARTTLS refused (%s %s); continuing in plaintext",
+                self._where(),
+                e.code,
+                e.message,
+            )
+            return extensions
+        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+            if required:
+                raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self._where()}: {e}")) from e
+            raise TlsFallback(str(e) or type(e).__name__) from e
+        self.tls = True
+        ssl_object = self.smtp.get_transport_info("ssl_object")
+        if isinstance(ssl_object, ssl.SSLObject):
+            self.tls_version = ssl_object.version()
+        return await self._hello()
+
+    async def _auth(self) -> None:
+        smarthost = self.settings.smarthost
+        if not (self.target.relay and smarthost and smarthost.username):
+            return
+        assert self.smtp is not None
+        if not self.tls and not _is_loopback(self.target.address):
+            raise NextMx(
+                with_detail(
+                    R451_AUTH_FAILED, f"{self._where()}: refusing to send credentials without TLS"
+                )
+            )
+        password = smarthost.password.get_secret_value() if smarthost.password else ""
+        try:
+            await self.smtp.login(
+                smarthost.username, password, timeout=self.settings.mail_timeout_s
+            )
+        except aiosmtplib.SMTPAuthenticationError as e:
+            raise NextMx(
+                with_detail(R451_AUTH_FAILED, f"{self._where()}: {e.code} {e.message}")
+            ) from e
+        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+            raise NextMx(with_detail(R451_AUTH_FAILED, f"{self._where()}: {e}")) from e
+
+    # -- the session ---------------------------------------------------------------------
+
+    def _cache_key(self) -> CacheKey:
+        t = self.target
+        return CacheKey(
+            t.host, t.address, t.port or self.settings.mx_port, t.relay, self.policy, self.allow_tls
+        )
+
+    async def run(self, cache: ConnectionCache | None = None) -> DeliveryResult:
+        """Connect (or reuse a cached session), greet, STARTTLS, AUTH, then one transaction
+        (RFC 5321 §3); hand a reusable connection to ``cache``, else QUIT. Not idempotent:
+        it may send the message.
+
+        Args:
+            cache: sessions to reuse and to give this one back to; None = QUIT after.
+
+        Returns:
+            one reply per recipient; library errors become replies.
+
+        Raises:
+            NextMx: this target failed before any recipient was accepted.
+            TlsFallback: opportunistic STARTTLS failed; retry the address in plaintext.
+        """
+        if cache is not None:
+            idle = cache.take(self._cache_key())
+            if idle is not None:
+                self.smtp, self.tls, self.tls_version = idle.smtp, idle.tls, idle.tls_version
+                self.opened_at = idle.opened_at
+                try:
+                    result = await self._transaction(idle.extensions)
+                except NextMx as e:
+                    # Closed while idle (EOF, 421 ...): not this target's fault, and no
+                    # recipient was accepted. Go on with a new connection.
+                    log.debug("%s: cached session unusable (%s); reconnecting", self._where(), e)
+                    await self._quit()
+                    self.smtp, self.tls, self.tls_version = None, False, None
+                else:
+                    await self._release(cache, idle.extensions)
+                    return result
+        extensions: dict[str, str] = {}
+        try:
+            await self._connect()
+            extensions = await self._hello()
+            extensions = await self._starttls(extensions)
+            await self._auth()
+            result = await self._transaction(extensions)
+        except BaseException:
+            await self._quit()
+            raise
+        await self._release(cache, extensions)
+        return result
+
+    async def _release(self, cache: ConnectionCache | None, extensions: dict[str, str]) -> None:
+        """Hand a reusable connection to the cache; QUIT any other."""
+        smtp = self.smtp
+        if cache is not None and smtp is not None and self.reusable and smtp.is_connected:
+            idle = IdleSession(smtp, extensions, self.tls, self.tls_version, self.opened_at)
+            if cache.put(self._cache_key(), idle):
+                self.smtp = None
+                return
+        await self._quit()
+
+    async def _quit(self) -> None:
+        smtp, self.smtp = self.smtp, None
+        if smtp is not None:
+            await quit_smtp(smtp, self._where())
+
+    async def _transaction(self, extensions: dict[str, str]) -> DeliveryResult:
+        env = self.envelope
+        replies: dict[str, Reply] = {}
+        server_utf8 = "smtputf8" in extensions
+        needs_utf8 = (
+            env.smtputf8
+            or not env.reverse_path.isascii()
+            or any(not r.address.isascii() for r in self.recipients)
+        )
+        use_utf8 = server_utf8 and needs_utf8
+        everyone = [r.address for r in self.recipients]
+
+        def all_get(reply: Reply, addresses: Iterable[str] = everyone) -> DeliveryResult:
+            for a in addresses:
+                replies[a] = reply
+            return self._result(replies)
+
+        utf8_reply = R554_SMTPUTF8_REQUIRED
+        reverse = smtp_path(env.reverse_path, use_utf8)
+        if reverse is None:
+            return all_get(
+                with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8; sender {env.reverse_path}")
+            )
+        if env.smtputf8 and not use_utf8 and await self.body.headers_8bit():
+            return all_get(
+                with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8; UTF-8 in the header")
+            )
+        paths: dict[str, str] = {}
+        for r in self.recipients:
+            p = smtp_path(r.address, use_utf8)
+            if p is None:
+                replies[r.address] = with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8")
+            else:
+                paths[r.address] = p
+        if not paths:
+            return self._result(replies)
+
+        # 8-bit body to a server without 8BITMIME: convert (RFC 6152 §3) or fail 5.6.3.
+        body_source: BodySource = self.body.source
+        body_8bit = env.body_8bit
+        if body_8bit and "8bitmime" not in extensions:
+            try:
+                converted = await self.body.converted()
+            except ConversionError as e:
+                reply = R554_8BIT_UNSUPPORTED
+                return all_get(with_detail(reply, f"{self.host} lacks 8BITMIME; {e}"), paths)
+            body_source = BodySource.from_bytes(converted)
+            body_8bit = False
+            self.converted = True
+
+        limit = size_limit(extensions)
+        if limit is not None and body_source.size > limit:
+            reply = R554_SIZE_EXCEEDED
+            return all_get(
+                with_detail(reply, f"{body_source.size} octets > {self.host} SIZE {limit}"), paths
+            )
+
+        self.dsn = "dsn" in extensions
+        params: list[bytes] = []
+        if "size" in extensions:
+            params.append(f"SIZE={body_source.size}".encode())
+        if body_8bit and "8bitmime" in extensions:
+            params.append(b"BODY=8BITMIME")
+        if use_utf8:
+            params.append(b"SMTPUTF8")
+        if self.dsn:
+            if env.ret:
+                params.append(f"RET={env.ret}".encode())
+            if env.envid:
+                params.append(f"ENVID={xtext(env.envid)}".encode())
+        encoding = "utf-8" if use_utf8 else "ascii"
+        try:
+            mail_arg = f"FROM:<{reverse}>".encode(encoding)
+        except UnicodeEncodeError:
+            return all_get(R501_BAD_REVERSE_PATH, paths)
+        try:
+            mail = await self._command(
+                "MAIL", self.settings.mail_timeout_s, b"MAIL", mail_arg, *params
+            )
+        except _Failed as e:
+            if isinstance(e.__cause__, ValueError):
+                return all_get(with_detail(R501_BAD_REVERSE_PATH, str(e.__cause__)), paths)
+            raise NextMx(e.reply) from e
+        if mail.code == 421:
+            raise NextMx(mail)
+        if not mail.is_success:
+            return all_get(mail, paths)
+
+        accepted: list[str] = []
+        for address, path in paths.items():
+            rcpt_params: list[bytes] = []
+            recipient = next(r for r in self.recipients if r.address == address)
+            if self.dsn:
+                if recipient.notify:
+                    rcpt_params.append(f"NOTIFY={notify_param(recipient.notify)}".encode())
+                if recipient.orcpt:
+                    rcpt_params.append(f"ORCPT={orcpt_param(recipient.orcpt)}".encode())
+            try:
+                reply = await self._command(
+                    "RCPT",
+                    self.settings.rcpt_timeout_s,
+                    b"RCPT",
+                    f"TO:<{path}>".encode(encoding),
+                    *rcpt_params,
+                )
+            except _Failed as e:
+                if isinstance(e.__cause__, ValueError):
+                    replies[address] = with_detail(R501_BAD_FORWARD_PATH, str(e.__cause__))
+                    continue
+                if not accepted:
+                    raise NextMx(e.reply) from e
+                return all_get(e.reply, [a for a in paths if a in accepted or a not in replies])
+            if reply.code == 421:
+                if not accepted:
+                    raise NextMx(reply)
+                return all_get(reply, [a for a in paths if a in accepted or a not in replies])
+            replies[address] = reply
+            if reply.is_success:
+                accepted.append(address)
+        if not accepted:
+            return self._result(replies)
+        return await self._data(body_source, accepted, replies)
+
+    async def _data(
+        self, body: BodySource, accepted: list[str], replies: dict[str, Reply]
+    ) -> DeliveryResult:
+        def accepted_get(reply: Reply) -> DeliveryResult:
+            for a in accepted:
+                replies[a] = reply
+            return self._result(replies)
+
+        s = self.settings
+        try:
+            start = await self._command(
+                "DATA", s.data_init_timeout_s, b"DATA", intermediate_ok=True
+            )
+        except _Failed as e:
+            return accepted_get(e.reply)
+        if start.code != 354:
+            if not (start.is_temporary or start.is_permanent):
+                start = with_detail(R451_PROTOCOL_ERROR, f"{self._where()}: {start.code} to DATA")
+            return accepted_get(start)
+
+        assert self.smtp is not None and self.smtp.protocol is not None
+        protocol = self.smtp.protocol
+        stuffer = DotStuffer()
+        iterator = body.open()
+        held = b""  # the latest stuffed chunk: the last one goes out with the terminator
+        try:
+            while True:
+                try:
+                    chunk = await anext(iterator)
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # any failure of the body store aborts the transaction
+                    log.warning("%s: body source failed during DATA: %r", self._where(), e)
+                    self._abort()
+                    return accepted_get(with_detail(R451_BODY_UNAVAILABLE, repr(e)))
+                out = stuffer.feed(chunk)
+                if out and held:
+                    protocol.write(held)
+                    async with asyncio.timeout(s.data_block_timeout_s):
+                        # FlowControlMixin's drain (aiosmtplib has no public drain): waits
+                        # while the transport's write buffer is above its high-water mark.
+                        await protocol._drain_helper()
+                held = out or held
+            # The terminator is written (in one write with the last chunk: one system call
+            # for a small message) and the reply awaited with no await in between, so the
+            # reply cannot arrive before aiosmtplib expects it.
+            protocol.write(held + stuffer.finish())
+            response = await protocol.read_response(timeout=s.data_final_timeout_s)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
+            self._abort()
+            failure = self._translate(e, "DATA")
+            return accepted_get(failure.reply)
+        finally:
+            await aclose(iterator)
+        reply = to_reply(response, self.host)
+        self.reusable = reply.code != 421
+        return accepted_get(reply)
+
+    def _abort(self) -> None:
+        """Drop the connection without the terminator: the server discards the message."""
+        smtp = self.smtp
+        if smtp is None:
+            return
+        transport = smtp.transport
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.abort()
+        smtp.close()
