@@ -25,7 +25,7 @@ from jsqueue.delivery import resolver_from_settings as _resolver_from_settings
 from jsqueue.envelope import Entry, Recipient
 from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer
-from jsqueue.frontend import serve_smtp
+from jsqueue.frontend.server import serve_smtp
 from jsqueue.health import telemetry
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.reconciler import open_reconciler
