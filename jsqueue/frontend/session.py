@@ -215,12 +215,6 @@ class InboundSession(SMTP):
     def _create_envelope(self) -> _Transaction:
         return _Transaction()
 
-    def _set_post_data_state(self) -> None:
-        self.envelope = self._create_envelope()
-
-    def _set_rset_state(self) -> None:
-        self.envelope = self._create_envelope()
-
     def _close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -248,6 +242,13 @@ class InboundSession(SMTP):
 
         The line is cut to printable US-ASCII of at most 510 octets before CRLF (RFC 5321
         §4.2, §4.5.3.1.5): some replies quote client input.
+
+        Args:
+            status: one reply (lines CRLF-joined) without the final CRLF; bytes go out as
+                they are.
+
+        Raises:
+            ConnectionError: the client has gone (raised by the transport's drain).
         """
         if isinstance(status, bytes):
             await super().push(status)
@@ -297,7 +298,7 @@ class InboundSession(SMTP):
             await self._reply(R501_BAD_PARAMETER, "Syntax: EHLO hostname")
             return
         assert self.session is not None
-        self._set_rset_state()
+        self._set_rset_state()  # type: ignore[no-untyped-call]  # unannotated in aiosmtpd
         self.session.extended_smtp = True
         self.session.host_name = hostname
         caps = [
@@ -322,7 +323,7 @@ class InboundSession(SMTP):
             await self._reply(R501_BAD_PARAMETER, "Syntax: HELO hostname")
             return
         assert self.session is not None
-        self._set_rset_state()
+        self._set_rset_state()  # type: ignore[no-untyped-call]  # unannotated in aiosmtpd
         self.session.extended_smtp = False
         self.session.host_name = hostname
         await SMTP.push(self, helo_reply(self.hostname))
@@ -547,7 +548,7 @@ class InboundSession(SMTP):
             reply = await self._receive(txn)
         finally:
             self._busy = False
-            self._set_post_data_state()
+            self._set_post_data_state()  # type: ignore[no-untyped-call]  # unannotated in aiosmtpd
         if reply is None:
             return
         await self.push(reply)
