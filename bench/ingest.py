@@ -26,7 +26,7 @@ from pathlib import Path
 import aiosmtplib
 
 from jsqueue.config import NatsSettings, SmtpSettings
-from jsqueue.frontend import serve_smtp
+from jsqueue.frontend.server import serve_smtp
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.jetstream import open_jetstream

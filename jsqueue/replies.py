@@ -98,7 +98,7 @@ R553_BAD_MAILBOX = _r(553, "5.1.3", "Mailbox name not allowed")
 R554_RELAY_DENIED = _r(554, "5.7.1", "Relay access denied")
 R535_AUTH_FAILED = _r(535, "5.7.8", "Authentication credentials invalid")
 R538_ENCRYPTION_REQUIRED = _r(538, "5.7.11", "Encryption required for requested authentication")
-# Front end, continued (jsqueue/frontend.py)
+# Front end, continued (jsqueue/frontend/)
 R250_QUEUED = _r(250, "2.0.0", "queued as")  # the queue id follows the text
 R235_AUTH_OK = _r(235, "2.7.0", "Authentication successful")
 R421_TIMEOUT = _r(421, "4.4.2", "Idle timeout exceeded, closing connection")
@@ -113,6 +113,58 @@ R503_NESTED_MAIL = _r(503, "5.5.1", "Sender already given")
 R504_AUTH_MECHANISM = _r(504, "5.5.4", "Unrecognized authentication type")
 R553_SMTPUTF8_REQUIRED = _r(553, "5.6.7", "Non-ASCII address needs SMTPUTF8 on MAIL FROM")
 R555_UNKNOWN_PARAMETER = _r(555, "5.5.4", "MAIL FROM/RCPT TO parameter not recognized")
+R500_SYNTAX_ERROR = _r(500, "5.5.2", "Syntax error, command unrecognized")
+R501_BAD_BASE64 = _r(501, "5.5.2", "Cannot decode base64")
+R501_BAD_PLAIN_CREDENTIALS = _r(501, "5.5.2", "Cannot split PLAIN credentials")
+R530_STARTTLS_REQUIRED = _r(530, "5.7.0", "Must issue a STARTTLS command first")
+#: The enhanced code a reply worded by aiosmtpd itself gets (RFC 2034 §4): that of the
+#: constant here with the same basic code; any other basic code gets ``<class>.0.0``.
+_GENERIC = (
+    R500_SYNTAX_ERROR,
+    R501_BAD_PARAMETER,
+    R502_NOT_IMPLEMENTED,
+    R503_BAD_SEQUENCE,
+    R504_AUTH_MECHANISM,
+    R530_STARTTLS_REQUIRED,
+    R535_AUTH_FAILED,
+    R538_ENCRYPTION_REQUIRED,
+    R552_TOO_BIG,
+    R553_BAD_MAILBOX,
+    R555_UNKNOWN_PARAMETER,
+)
+_GENERIC_ENHANCED = {r.code: r.enhanced for r in _GENERIC}
+
+
+def generic_enhanced(code: int) -> str:
+    """The enhanced status code for a reply with basic ``code`` that carries none.
+
+    Args:
+        code: a basic reply code, 200..599.
+
+    Returns:
+        the enhanced code of the front-end constant in :data:`_GENERIC` with that basic code,
+        else ``<first digit>.0.0`` (RFC 3463 §3.1: "other or undefined status").
+    """
+    return _GENERIC_ENHANCED.get(code) or f"{str(code)[0]}.0.0"
+
+
+# Front-end replies that carry no enhanced status code (RFC 2034 §4: not the greeting, not
+# HELO/EHLO, not 3yz), so they are plain text, outside the checked table above.
+#: RFC 5321 §4.1.1.4, §4.2.2: the go-ahead after DATA.
+R354_START_INPUT = "354 End data with <CR><LF>.<CR><LF>"
+
+
+def helo_reply(domain: str) -> str:
+    """The reply to HELO: ``250 <domain>`` (RFC 5321 §4.1.1.1)."""
+    return f"250 {domain}"
+
+
+def ehlo_reply(domain: str, keywords: list[str]) -> str:
+    """The reply to EHLO: our domain, then one extension keyword per line, CRLF-joined
+    (RFC 5321 §4.1.1.1, §4.2.1: ``250-`` on every line but the last)."""
+    lines = [domain, *keywords]
+    return "\r\n".join(f"250{'-' if i < len(lines) - 1 else ' '}{ln}" for i, ln in enumerate(lines))
+
 
 # Synthesised by the worker for failures without a remote reply (RFC 3463 §3.2, §3.5, RFC 7505)
 R550_NULL_MX = _r(550, "5.1.10", "Recipient domain does not accept mail (null MX, RFC 7505)")

@@ -20,7 +20,7 @@ from jsqueue.delivery.resolver import Resolver, resolver_from_settings
 from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
-from jsqueue.frontend import serve_smtp
+from jsqueue.frontend.server import serve_smtp
 from jsqueue.health import telemetry
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.reconciler import open_reconciler

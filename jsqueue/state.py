@@ -24,7 +24,7 @@ from jsqueue.replies import Reply
 from jsqueue.retry import Expire, RetryPolicy, delay_until_s, is_due
 
 #: The front end stores a message's entry and publishes its work items at the same time
-#: (:mod:`jsqueue.frontend`), so a work item can arrive before its entry. For this many
+#: (:mod:`jsqueue.frontend.ingest`), so a work item can arrive before its entry. For this many
 #: seconds after the queue id's creation time, "no entry" means "not stored yet" (or the
 #: ingest failed and the client was told 451), and the item is tried again shortly;
 #: afterwards it is dropped. Covers publish retries across a cluster election and clock

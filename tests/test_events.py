@@ -24,7 +24,7 @@ from jsqueue.events import (
     open_publisher,
     tail,
 )
-from jsqueue.frontend import SmtpServer
+from jsqueue.frontend.server import SmtpServer
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.replies import Reply

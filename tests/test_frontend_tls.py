@@ -13,7 +13,7 @@ from pathlib import Path
 import aiosmtplib
 import pytest
 
-from jsqueue.frontend_auth import hash_password
+from jsqueue.frontend.auth import hash_password
 from jsqueue.store.base import Stores
 from jsqueue.store.memory import open_memory
 from support.cases import case_file

@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 from jsqueue.config import BareLinePolicy
 from jsqueue.envelope import Notify, Recipient
 from jsqueue.errors import ConfigError, InvalidName
-from jsqueue.frontend import ingest_key, received_header, with_enhanced_code
-from jsqueue.frontend_auth import ScryptHash, UserDB, hash_password
-from jsqueue.frontend_data import DataDecoder
-from jsqueue.frontend_syntax import (
+from jsqueue.frontend.auth import ScryptHash, UserDB, hash_password
+from jsqueue.frontend.data import DataDecoder
+from jsqueue.frontend.ingest import ingest_key
+from jsqueue.frontend.received import received_header
+from jsqueue.frontend.session import with_enhanced_code
+from jsqueue.frontend.syntax import (
     SyntaxProblem,
     parse_envid,
     parse_mail_from,

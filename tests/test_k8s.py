@@ -47,7 +47,7 @@ import yaml
 
 from jsqueue.cli.commands import app
 from jsqueue.config import Settings, load_settings
-from jsqueue.frontend import SmtpServer
+from jsqueue.frontend.server import SmtpServer
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 

@@ -17,7 +17,7 @@ from test_admin import DEST_ZONE, MESSAGE, RCPT, entry_at, store_all
 from jsqueue.config import HttpSettings, LogSettings, NatsSettings, SmarthostSettings, SmtpSettings
 from jsqueue.envelope import EntryState, RecipientState, WorkItem
 from jsqueue.errors import ListenError
-from jsqueue.frontend import SmtpServer
+from jsqueue.frontend.server import SmtpServer
 from jsqueue.health import Health, HttpServer
 from jsqueue.logs import JsonFormatter
 from jsqueue.metrics import Metrics, QueueProbe

@@ -37,7 +37,7 @@ import trustme
 from jsqueue.config import SmtpSettings
 from jsqueue.envelope import Entry, WorkItem
 from jsqueue.errors import BodyNotFound, StoreUnavailable
-from jsqueue.frontend import SmtpServer, serve_smtp
+from jsqueue.frontend.server import SmtpServer, serve_smtp
 from jsqueue.store.base import BodyInfo, Stores
 from jsqueue.store.memory import MemoryBodyStore, MemoryEntryStore, open_memory
 

@@ -27,7 +27,7 @@ from jsqueue.config import (
 )
 from jsqueue.envelope import Entry
 from jsqueue.errors import EntryNotFound
-from jsqueue.frontend import SmtpServer
+from jsqueue.frontend.server import SmtpServer
 from jsqueue.names import Names
 from jsqueue.runtime import build_worker
 from jsqueue.store.base import Stores

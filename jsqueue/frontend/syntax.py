@@ -1,21 +1,7 @@
-"""SMTP command-argument syntax for the front end: paths, ESMTP parameters and DSN values.
-
-Pure functions, no I/O. Every parser returns a value or raises :class:`SyntaxProblem`
-carrying the reply to send, so the session code stays a thin table of checks.
-
-Grammar followed:
-
-- Paths: RFC 5321 §4.1.2 (``Reverse-path``, ``Forward-path``, ``Mailbox``, ``Local-part``,
-  ``Domain``, ``address-literal``) with the RFC 6531 §3.3 extensions (UTF-8 in ``atext``,
-  ``qtextSMTP`` and U-label sub-domains). A source route (``<@a,@b:user@c>``) is accepted
-  and ignored (RFC 5321 §3.3, §4.1.1.3). White space between ``FROM:``/``TO:`` and the
-  path is tolerated; the angle brackets are not optional.
-- ESMTP parameters: RFC 5321 §4.1.2 ``esmtp-keyword ["=" esmtp-value]``, with UTF-8 in
-  values (RFC 6531 §3.3). Keywords are case-insensitive; a repeated keyword is an error.
-- DSN values: RFC 3461 §4 (``NOTIFY``, ``ORCPT``, ``RET``, ``ENVID``) with ``xtext``
-  (RFC 3461 §4). ``ORCPT`` and ``ENVID`` are validated and kept in their xtext form, exactly
-  as received, so they can be passed on unchanged to a DSN-capable next hop; decode them
-  with :func:`xtext_decode` when writing a DSN.
+"""SMTP command-argument syntax for the front end: pure parsers of paths (RFC 5321 §4.1.2,
+RFC 6531 §3.3), ESMTP parameters and DSN values (RFC 3461 §4, xtext), each returning a value
+or raising :class:`SyntaxProblem` with the reply to send, so the session stays a thin table of
+checks; the grammar followed: docs/architecture.md, "Command syntax".
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
-"""Incremental decoder for the SMTP DATA stream (RFC 5321 §4.1.1.4, §4.5.2, §2.3.8).
-
-Pure byte handling, no I/O: the session feeds whatever it read from the socket and gets back
-the decoded message octets plus, once the terminator has been seen, the bytes that followed
-it (the client's next, pipelined commands; RFC 2920 §3.1).
-
-Rules (the documented front-end policy; CASE-01, CASE-03, CASE-25, CASE-26):
-
-- **The end of data is ``<CRLF>.<CRLF>`` and nothing else** (RFC 5321 §4.1.1.4). ``<LF>.<LF>``,
-  ``<CR>.<CR>``, ``<LF>.<CRLF>`` and the like never end the message, whatever the bare line
-  ending policy says, so commands smuggled behind them stay message text (SMTP smuggling).
-- **Bare CR / bare LF** (RFC 5321 §2.3.8) under :attr:`BareLinePolicy.REJECT` (the default):
-  the message is rejected with ``550 5.6.11`` after the terminator. Under
-  :attr:`BareLinePolicy.ACCEPT` every bare CR and bare LF is normalised to CRLF, and dot
-  unstuffing applies per normalised line (so a sloppy client that stuffs per LF line, CASE-03
-  variant B, gets its intended lines back). A stored body therefore only ever has CRLF line
-  ends.
-- **Dot unstuffing** (RFC 5321 §4.5.2): a leading ``.`` is removed from every line that has
-  other characters after it.
-- **Line length** (RFC 5321 §4.5.3.1.6): a line longer than 998 octets (excluding CRLF and
-  the transparency dot) rejects the message with ``500 5.5.2`` after the terminator; a line of
-  exactly 998 octets is accepted byte-exact.
-- **Size** (RFC 1870): more than ``max_size`` decoded octets rejects the message with
-  ``552 5.3.4`` after the terminator.
-
-Once a message is rejected the rest of it is only scanned for the terminator and thrown
-away, keeping four bytes of context: memory stays bounded whatever the client sends.
+"""Incremental decoder for the SMTP DATA stream: pure byte handling, no I/O; it finds the
+end of data only at ``<CRLF>.<CRLF>`` (RFC 5321 §4.1.1.4), unstuffs dots (§4.5.2), rejects or
+normalises bare CR/LF (§2.3.8), and rejects lines over 998 octets (§4.5.3.1.6) or messages over
+the SIZE limit (RFC 1870) with one reply after the terminator, handing back the pipelined
+commands that follow it (RFC 2920 §3.1); the rules in full: docs/architecture.md, "DATA
+decoding".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""SMTP AUTH credentials for the front end: the password file and its hash format.
-
-The file named by ``smtp.auth_file`` holds one ``user:hash`` per line; blank lines and lines
-starting with ``#`` are ignored. User names are compared exactly (UTF-8, case-sensitive) and
-cannot contain ``:``.
-
-Hashes are scrypt (RFC 7914, :func:`hashlib.scrypt` from the standard library, i.e.
-OpenSSL) in the PHC string format::
-
-    $scrypt$ln=<log2 N>,r=<r>,p=<p>$<salt>$<key>
-
-``salt`` and ``key`` are unpadded standard base64; ``key`` is 32 octets. Make a line with
-:func:`hash_password` (``python -m jsqueue.frontend_auth USER`` prompts for the password and
-prints the line). The cost parameters live in each hash, so they can be raised later without
-invalidating existing lines.
-
-Verification runs in a worker thread (:func:`asyncio.to_thread`): one check costs tens of
-milliseconds of CPU and must not stall the other SMTP sessions. Unknown users are checked
-against a dummy hash, so the answer time does not reveal which user names exist.
+"""SMTP AUTH credentials for the front end: the ``smtp.auth_file`` password file (one
+``user:$scrypt$…`` line per user, RFC 7914 scrypt in PHC format), hashing a new line
+(``python -m jsqueue.frontend.auth USER``) and verifying a login off the event loop without
+revealing which users exist (RFC 4954 §4); format and reasons: docs/architecture.md, "AUTH
+credentials".
 """
 
 from __future__ import annotations
@@ -82,7 +68,13 @@ class ScryptHash:
             raise ValueError(f"bad base64 in hash: {e}") from e
 
     def derive(self, password: bytes) -> bytes:
-        """The scrypt key of ``password`` under this hash's salt and cost."""
+        """The scrypt key of ``password`` under this hash's salt and cost (RFC 7914).
+
+        Blocking: tens of milliseconds of CPU at the default cost.
+
+        Returns:
+            32 octets.
+        """
         n = 1 << self.ln
         return hashlib.scrypt(
             password,
@@ -95,7 +87,8 @@ class ScryptHash:
         )
 
     def verify(self, password: bytes) -> bool:
-        """True if ``password`` matches (constant-time comparison)."""
+        """Whether ``password`` matches (constant-time comparison). Blocking, like
+        :meth:`derive`."""
         return hmac.compare_digest(self.derive(password), self.key)
 
     def __str__(self) -> str:
@@ -161,13 +154,25 @@ class UserDB:
         return len(self._users)
 
     def check(self, user: str, password: bytes) -> bool:
-        """Verify credentials, spending the same time on unknown users (blocking)."""
+        """Verify credentials, spending the same time on unknown users (blocking).
+
+        Args:
+            user: the user name, exactly as in the auth file.
+            password: the password octets as the client sent them.
+
+        Returns:
+            True if ``user`` exists and ``password`` matches its hash.
+        """
         stored = self._users.get(user)
         ok = (stored or self._dummy).verify(password)
         return ok and stored is not None
 
     async def verify(self, user: str, password: bytes) -> bool:
         """Verify credentials in a worker thread (RFC 4954 §4: the server decides).
+
+        Args:
+            user: the user name, exactly as in the auth file.
+            password: the password octets as the client sent them.
 
         Returns:
             True if ``user`` exists and ``password`` matches its hash.
@@ -176,10 +181,14 @@ class UserDB:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jsqueue.frontend_auth USER``: prompt for a password, print ``USER:hash``."""
+    """``python -m jsqueue.frontend.auth USER``: prompt for a password, print ``USER:hash``.
+
+    Returns:
+        the exit status: 0, or 2 for a missing or bad USER.
+    """
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or ":" in args[0]:
-        print("usage: python -m jsqueue.frontend_auth USER   (USER without ':')", file=sys.stderr)
+        print("usage: python -m jsqueue.frontend.auth USER   (USER without ':')", file=sys.stderr)
         return 2
     password = getpass.getpass("password: ")
     print(f"{args[0]}:{hash_password(password)}")

@@ -1,0 +1,116 @@
+"""The ``Received:`` trace field the front end prepends to every message it accepts.
+
+Pure text, no I/O (RFC 5321 §4.4, RFC 5322 §3.6.7, RFC 3848, RFC 6531 §4.3): ``from <helo>
+([ip])``, ``by <hostname> (jsqueue) with ESMTP|ESMTPS|ESMTPA|ESMTPSA|UTF8SMTP… id <queue id>``,
+and ``for <rcpt>`` only when the message has exactly one recipient (RFC 5321 §7.2); a HELO
+argument that is neither a domain nor an address literal goes into a comment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+from datetime import datetime
+from email.utils import format_datetime
+
+from jsqueue.envelope import routing_domain
+from jsqueue.errors import InvalidName
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HELO_DOMAIN_RE = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*\.?$")
+
+
+def _sanitize_comment(text: str) -> str:
+    return "".join(c if " " <= c <= "~" and c not in "()\\" else "?" for c in text[:100])
+
+
+def _ip_literal(ip: str) -> str:
+    return f"[IPv6:{ip}]" if ":" in ip else f"[{ip}]"
+
+
+def _is_helo_name(helo: str) -> bool:
+    if _HELO_DOMAIN_RE.match(helo) and len(helo) <= 253:
+        return True
+    if helo.startswith("[") and helo.endswith("]"):
+        inner = helo[1:-1]
+        try:
+            if inner[:5].lower() == "ipv6:":
+                ipaddress.IPv6Address(inner[5:])
+            else:
+                ipaddress.IPv4Address(inner)
+        except ValueError:
+            return False
+        return True
+    return False
+
+
+def protocol_keyword(*, extended: bool, smtputf8: bool, tls: bool, authenticated: bool) -> str:
+    """The ``with`` keyword of the ``Received:`` field (RFC 3848 §2, RFC 6531 §4.3).
+
+    Args:
+        extended: the client greeted with EHLO (False: HELO, plain ``SMTP``).
+        smtputf8: the transaction's MAIL command carried ``SMTPUTF8``.
+        tls: the session runs inside TLS (STARTTLS, RFC 3207).
+        authenticated: the client authenticated (AUTH, RFC 4954).
+
+    Returns:
+        ``SMTP``, or ``ESMTP``/``UTF8SMTP`` followed by ``S`` (TLS) and ``A`` (AUTH).
+    """
+    if not extended:
+        return "SMTP"
+    base = "UTF8SMTP" if smtputf8 else "ESMTP"
+    return base + ("S" if tls else "") + ("A" if authenticated else "")
+
+
+def received_header(
+    *,
+    helo: str | None,
+    client_ip: str,
+    hostname: str,
+    protocol: str,
+    queue_id: str,
+    recipient: str | None,
+    tls: str | None,
+    when: datetime,
+) -> bytes:
+    """The ``Received:`` trace field the front end prepends (RFC 5321 §4.4, RFC 5322 §3.6.7).
+
+    Pure; the same arguments always give the same octets.
+
+    Args:
+        helo: the client's HELO/EHLO argument; used as the From-domain only when it is a
+            domain or address literal, else kept in a comment.
+        client_ip: the client's IP address (TCP-info, as an address literal).
+        hostname: our name (By-domain).
+        protocol: the ``with`` keyword (RFC 3848 / RFC 6531 §4.3), e.g. ``ESMTPSA``; see
+            :func:`protocol_keyword`.
+        queue_id: the ``id``.
+        recipient: the ``for`` clause, given only when the message has exactly one recipient
+            (RFC 5321 §7.2).
+        tls: TLS version and cipher, as a comment.
+        when: arrival time (aware).
+
+    Returns:
+        the folded field with CRLF line ends, UTF-8 encoded (only a UTF-8 local part in the
+        ``for`` clause can make it non-ASCII; that recipient needs SMTPUTF8 anyway).
+    """
+    literal = _ip_literal(client_ip)
+    if helo and _is_helo_name(helo):
+        lines = [f"Received: from {helo} ({literal})"]
+    else:
+        lines = [f"Received: from {literal} ({literal})"]
+        lines.append(f"\t(helo={_sanitize_comment(helo or '')})")
+    if tls:
+        lines.append(f"\t({_sanitize_comment(tls)})")
+    lines.append(f"\tby {hostname} (jsqueue) with {protocol} id {queue_id}")
+    if recipient is not None:
+        # The domain as its A-label: an ASCII forward-path at a U-label domain must not make
+        # the header section UTF-8 (it would then need SMTPUTF8 downstream, RFC 6531 §3.7.3).
+        local, _, domain = recipient.rpartition("@")
+        with contextlib.suppress(InvalidName):
+            domain = routing_domain(recipient) if not domain.startswith("[") else domain
+        lines.append(f"\tfor <{local}@{domain}>")
+    lines[-1] += ";"
+    lines.append(f"\t{format_datetime(when)}")
+    return ("\r\n".join(lines) + "\r\n").encode("utf-8", "surrogateescape")
