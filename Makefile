@@ -38,6 +38,7 @@ cluster: install
 lint: install
 	$(BIN)/ruff check jsqueue tests bench
 	$(BIN)/ruff format --check jsqueue tests bench
+	$(BIN)/lint-imports
 
 typecheck: install
 	$(BIN)/mypy

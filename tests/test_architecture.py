@@ -168,9 +168,9 @@ def test_readme_layout_names_every_package_and_module() -> None:
     listed: set[str] = set()
     stack: list[tuple[int, str]] = []
     for line in layout.splitlines():
-        m = re.match(r"^(\s*)([a-z_][a-z0-9_]*(?:/|\.py))\s+\S", line)
-        if m is None:
-            continue
+        m = re.match(r"^(\s*)([a-z_][a-z0-9_]*(?:/|\.py))(\s+\S.*)?$", line)
+        if m is None or (m.group(3) is None and not m.group(2).endswith("/")):
+            continue  # a module line says what the module holds
         indent, name = len(m.group(1)), m.group(2)
         while stack and stack[-1][0] >= indent:
             stack.pop()
