@@ -299,7 +299,11 @@ class HttpSettings(_Section):
         5.0, gt=0, description="NATS probe (readiness, backlog gauge) interval, seconds"
     )
     queue_depth_interval_s: float = Field(
-        300.0, ge=0, description="queue depth scan interval (reads every entry), seconds; 0 = off"
+        300.0,
+        ge=0,
+        description="longest time between queue depth scans (they read every entry; the "
+        "exporter of the queue-wide gauges scans again after 10 times a scan's duration, at "
+        "least probe_interval_s), seconds; 0 = off",
     )
 
 

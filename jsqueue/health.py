@@ -26,6 +26,7 @@ from jsqueue.config import HttpSettings, Settings
 from jsqueue.errors import listen_error
 from jsqueue.events import Fanout, Observer, open_publisher
 from jsqueue.metrics import Metrics, QueueProbe
+from jsqueue.names import Names
 from jsqueue.store.base import Stores
 
 log = logging.getLogger("jsqueue.health")
@@ -192,12 +193,19 @@ async def telemetry(
         http: HttpServer | None = None
         if settings.http.enabled:
             health.require("nats")
+            interval_s = settings.http.probe_interval_s
+            exporter = None
+            if stores.lock is not None:  # a dead exporter is replaced within 3 probes
+                exporter = await stores.lock(
+                    Names(settings.nats.prefix).gauges_lock_key, 3 * interval_s
+                )
             probe = QueueProbe(
                 stores,
                 metrics,
-                probe_interval_s=settings.http.probe_interval_s,
+                probe_interval_s=interval_s,
                 depth_interval_s=settings.http.queue_depth_interval_s,
                 on_health=lambda ok: health.set("nats", ok),
+                exporter=exporter,
             )
             stop_probe = asyncio.Event()
             probe_task = asyncio.create_task(probe.run(stop_probe), name="jsqueue-probe")

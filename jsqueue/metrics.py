@@ -30,12 +30,16 @@ jsqueue_events_dropped_total               counter    events dropped (buffer ful
 jsqueue_events_failed_total                counter    events whose publish failed
 jsqueue_queue_entries{state}               gauge      entries by derived state (periodic scan);
                                                       ``done`` are kept DSN records, not
-                                                      queued mail (``queue stats``: kept)
+                                                      queued mail (``queue stats``: kept);
+                                                      this and the next three: queue-wide,
+                                                      exported by one process at a time
 jsqueue_queue_scan_duration_seconds        gauge      how long the last depth scan took
 jsqueue_queue_scan_timestamp_seconds       gauge      Unix time of the last depth scan
 jsqueue_work_backlog_items                 gauge      work items scheduled and not settled (due,
                                                       deferred, in flight): Scheduler.backlog()
 jsqueue_nats_connected                     gauge      1 when the last NATS probe succeeded, else 0
+jsqueue_queue_gauges_exporter              gauge      1 on the process exporting the queue-wide
+                                                      gauges, else 0
 =========================================  =========  ==============================================
 """
 
@@ -48,13 +52,13 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jsqueue.envelope import EntryState
 from jsqueue.errors import JsqueueError
 from jsqueue.events import Event, EventKind, JetStreamPublisher
-from jsqueue.store.base import Stores
+from jsqueue.store.base import Lock, Stores
 
 log = logging.getLogger("jsqueue.metrics")
 
@@ -141,25 +145,12 @@ class Metrics:
             "the replies cut further, or held.",
             registry=r,
         )
-        self.queue_entries = Gauge(
-            "jsqueue_queue_entries",
-            "Queue entries by derived state (done: kept DSN records, not queued mail).",
-            ["state"],
-            registry=r,
-        )
-        self.scan_duration = Gauge(
-            "jsqueue_queue_scan_duration_seconds",
-            "Duration of the last queue depth scan, seconds.",
-            registry=r,
-        )
-        self.scan_timestamp = Gauge(
-            "jsqueue_queue_scan_timestamp_seconds",
-            "Unix time of the last queue depth scan, seconds.",
-            registry=r,
-        )
-        self.backlog = Gauge(
-            "jsqueue_work_backlog_items",
-            "Work items scheduled and not yet settled (due, deferred, in flight).",
+        self.queue = QueueGauges()
+        r.register(self.queue)
+        self.exporter = Gauge(
+            "jsqueue_queue_gauges_exporter",
+            "1 while this process exports the queue-wide gauges (one process of the "
+            "cluster at a time), else 0.",
             registry=r,
         )
         self.nats_connected = Gauge(
@@ -193,30 +184,95 @@ class Metrics:
 
     def set_depth(self, counts: dict[EntryState, int], took_s: float) -> None:
         """Record a depth scan: entries per state (missing states are 0)."""
-        for st in EntryState:
-            self.queue_entries.labels(st.value).set(counts.get(st, 0))
-        self.scan_duration.set(took_s)
-        self.scan_timestamp.set(time.time())
+        self.queue.counts = {st: counts.get(st, 0) for st in EntryState}
+        self.queue.scan_duration_s = took_s
+        self.queue.scan_timestamp_s = time.time()
+
+    def set_exporting(self, exporting: bool) -> None:
+        """This process does (or no longer does) export the queue-wide gauges."""
+        self.queue.exporting = exporting
+        self.exporter.set(1 if exporting else 0)
+
+
+class QueueGauges(Collector):
+    """The queue-wide gauges: entries by state, the work backlog, the last depth scan.
+
+    They describe the whole queue, not this process, so only one process of the cluster
+    exports them at a time (the holder of the ``gauges`` lock, see :class:`QueueProbe`):
+    ``sum()`` or ``max()`` over every scrape target gives the queue's figure, never a
+    multiple of it. A process that does not export them yields no sample at all. A
+    process without a lock (memory stores, tests) exports them itself.
+    """
+
+    def __init__(self) -> None:
+        self.exporting = False
+        self.counts: dict[EntryState, int] | None = None
+        self.backlog: int | None = None
+        self.scan_duration_s: float | None = None
+        self.scan_timestamp_s: float | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.exporting:
+            return
+        if self.counts is not None:
+            family = GaugeMetricFamily(
+                "jsqueue_queue_entries",
+                "Queue entries by derived state (done: kept DSN records, not queued mail).",
+                labels=["state"],
+            )
+            for st, n in self.counts.items():
+                family.add_metric([st.value], n)
+            yield family
+        for name, value, doc in (
+            (
+                "jsqueue_work_backlog_items",
+                self.backlog,
+                "Work items scheduled and not yet settled (due, deferred, in flight).",
+            ),
+            (
+                "jsqueue_queue_scan_duration_seconds",
+                self.scan_duration_s,
+                "Duration of the last queue depth scan, seconds.",
+            ),
+            (
+                "jsqueue_queue_scan_timestamp_seconds",
+                self.scan_timestamp_s,
+                "Unix time of the last queue depth scan, seconds.",
+            ),
+        ):
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
 
 
 class QueueProbe:
     """Refreshes the gauges that need NATS, on a schedule, and reports NATS health.
 
     Every ``probe_interval_s`` seconds: ``Scheduler.backlog()`` (one consumer-info request)
-    sets ``jsqueue_work_backlog_items`` and ``jsqueue_nats_connected`` and tells
-    ``on_health`` whether NATS and the work consumer answered. Every ``depth_interval_s``
-    seconds (0 = never): ``EntryStore.count_by_state()`` sets ``jsqueue_queue_entries``.
-    That scan reads every entry (DESIGN.md §7: never on a hot path), so run it on few
-    processes and not too often; its cost is exported as a gauge.
+    sets ``jsqueue_nats_connected`` and tells ``on_health`` whether NATS and the work
+    consumer answered. The queue-wide gauges (:class:`QueueGauges`) are kept by one process
+    of the cluster: the holder of ``exporter``, a cluster-wide lock taken or renewed at
+    each probe (its TTL a few probe intervals, so a dead exporter is replaced within
+    seconds); a process without a lock exports them itself. The exporter sets the backlog
+    gauge at each probe and scans the entries by state (``EntryStore.count_by_state()``,
+    which reads every entry: DESIGN.md §7) as often as the scan's cost allows: again after
+    ten times the last scan's duration, at least ``probe_interval_s`` and at most
+    ``depth_interval_s`` after the last one (0 = never). A queue of a few thousand
+    entries is so followed within the probe interval; a very large one at a tenth of one
+    process's time.
 
     Args:
         stores: the queue.
         metrics: where the gauges live.
         probe_interval_s: seconds between backlog probes.
-        depth_interval_s: seconds between depth scans; 0 disables them.
+        depth_interval_s: longest time between depth scans, seconds; 0 disables them.
         timeout_s: bound of one probe or scan, seconds.
         on_health: called with True / False after every probe.
+        exporter: the lock that elects the exporter of the queue-wide gauges; None = this
+            process exports them.
     """
+
+    #: A scan is repeated after this many times its own duration (cost bound: 10 %).
+    SCAN_COST_FACTOR = 10.0
 
     def __init__(
         self,
@@ -227,6 +283,7 @@ class QueueProbe:
         depth_interval_s: float = 300.0,
         timeout_s: float = 30.0,
         on_health: Callable[[bool], None] | None = None,
+        exporter: Lock | None = None,
     ) -> None:
         self.stores = stores
         self.metrics = metrics
@@ -234,24 +291,52 @@ class QueueProbe:
         self.depth_interval_s = depth_interval_s
         self.timeout_s = timeout_s
         self.on_health = on_health
+        self.exporter = exporter
         self.ok = False
+        self.exporting = False
 
     async def probe(self) -> bool:
-        """One backlog probe. Returns whether NATS answered. Never raises."""
+        """One backlog probe, and the election of the exporter. Returns whether NATS
+        answered. Never raises."""
         try:
             async with asyncio.timeout(min(self.timeout_s, max(1.0, self.probe_interval_s))):
                 backlog = await self.stores.scheduler.backlog()
+                exporting = await self._elect()
         except (JsqueueError, TimeoutError, OSError) as e:
             if self.ok:
                 log.warning("NATS probe failed: %s", e)
             self.ok = False
+            exporting = False
         else:
-            self.metrics.backlog.set(backlog)
+            self.metrics.queue.backlog = backlog
             self.ok = True
+        if exporting != self.exporting:
+            log.info("queue-wide gauges: %s", "exported here" if exporting else "not here")
+        self.exporting = exporting
+        self.metrics.set_exporting(exporting)
         self.metrics.nats_connected.set(1 if self.ok else 0)
         if self.on_health is not None:
             self.on_health(self.ok)
         return self.ok
+
+    async def _elect(self) -> bool:
+        """Take or keep the exporter lock; True when this process exports.
+
+        Raises:
+            StoreUnavailable: the lock's state is unknown.
+        """
+        if self.exporter is None:
+            return True
+        return await self.exporter.acquire()
+
+    async def release(self) -> None:
+        """Give the exporter lock up (at shutdown), so another process takes over at its
+        next probe. Never raises."""
+        if self.exporter is not None and self.exporting:
+            with contextlib.suppress(JsqueueError, TimeoutError, OSError):
+                await self.exporter.release()
+        self.exporting = False
+        self.metrics.set_exporting(False)
 
     async def scan_depth(self) -> bool:
         """One depth scan. Returns whether it completed. Never raises."""
@@ -265,13 +350,24 @@ class QueueProbe:
         self.metrics.set_depth(counts, time.monotonic() - started)
         return True
 
+    def next_scan_after_s(self, took_s: float) -> float:
+        """Seconds from a scan that took ``took_s`` seconds to the next one (see the class
+        docstring)."""
+        wanted = max(self.probe_interval_s, self.SCAN_COST_FACTOR * took_s)
+        return min(wanted, self.depth_interval_s) if self.depth_interval_s > 0 else wanted
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Probe (and scan) until ``stop`` is set."""
+        """Probe (and scan, while exporting) until ``stop`` is set; then release the lock."""
         next_scan = time.monotonic()
-        while not stop.is_set():
-            await self.probe()
-            if self.depth_interval_s > 0 and time.monotonic() >= next_scan:
-                await self.scan_depth()
-                next_scan = time.monotonic() + self.depth_interval_s
-            with contextlib.suppress(TimeoutError):  # the interval elapsed: probe again
-                await asyncio.wait_for(stop.wait(), self.probe_interval_s)
+        try:
+            while not stop.is_set():
+                await self.probe()
+                now = time.monotonic()
+                if self.exporting and self.depth_interval_s > 0 and now >= next_scan:
+                    await self.scan_depth()
+                    took = time.monotonic() - now
+                    next_scan = now + self.next_scan_after_s(took)
+                with contextlib.suppress(TimeoutError):  # the interval elapsed: probe again
+                    await asyncio.wait_for(stop.wait(), self.probe_interval_s)
+        finally:
+            await self.release()

@@ -252,6 +252,11 @@ class Names:
         return "reconciler"
 
     @property
+    def gauges_lock_key(self) -> str:
+        """Key of the lock held by the exporter of the queue-wide gauges."""
+        return "gauges"
+
+    @property
     def locks_stream(self) -> str:
         """Stream behind the locks bucket (``KV_<prefix>-locks``)."""
         return kv_stream(self.locks_bucket)

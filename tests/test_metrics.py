@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -25,7 +26,9 @@ from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.runtime import run_services
 from jsqueue.store.base import Stores
+from jsqueue.store.jetstream import open_jetstream
 from support.mx import SmtpdMx
+from support.nats import make_entry, wait_until
 from support.queue import Harness, eventually
 
 
@@ -287,6 +290,7 @@ async def test_accepted_bodies_counted_by_layout(queue_harness: Harness, inline_
 def test_depth_gauge_covers_every_state() -> None:
     """A scan that found nothing in a state reports 0 for it, not a stale value."""
     metrics = Metrics()
+    metrics.set_exporting(True)
     metrics.set_depth({EntryState.PENDING: 4}, 0.1)
     metrics.set_depth({EntryState.DEFERRED: 2}, 0.1)
     got = {
@@ -313,3 +317,71 @@ async def test_a_port_in_use_names_the_settings(mem_stores: Stores) -> None:
     finally:
         blocker.close()
         await blocker.wait_closed()
+
+
+def _exported(metrics: Metrics) -> float | None:
+    return metrics.registry.get_sample_value("jsqueue_work_backlog_items")
+
+
+async def test_one_process_of_the_cluster_exports_the_queue_wide_gauges(
+    js_stores: Stores, nats_settings: NatsSettings, nats_server: EmbeddedNats, names: Names
+) -> None:
+    """Two processes probing one queue: exactly one exports ``jsqueue_queue_entries`` and
+    the backlog (``sum()`` over targets is the queue's figure, not twice it); when it stops,
+    the other takes over at its next probe."""
+    other_stores = await open_jetstream(nats_settings, [nats_server.url], names=names)
+    try:
+        await js_stores.entries.create(make_entry())
+        probes = []
+        for stores in (js_stores, other_stores):
+            assert stores.lock is not None
+            lock = await stores.lock(names.gauges_lock_key, 30.0)
+            probes.append(QueueProbe(stores, Metrics(), exporter=lock))
+        for probe in probes:
+            assert await probe.probe() and await probe.scan_depth()
+        exporting = [p for p in probes if p.exporting]
+        assert len(exporting) == 1
+        [first] = exporting
+        [second] = [p for p in probes if p is not first]
+        assert _exported(first.metrics) == 0
+        entries = first.metrics.registry.get_sample_value(
+            "jsqueue_queue_entries", {"state": "pending"}
+        )
+        assert entries == 1
+        assert _exported(second.metrics) is None
+        assert second.metrics.registry.get_sample_value("jsqueue_queue_gauges_exporter") == 0
+        await first.release()
+        assert _exported(first.metrics) is None
+        assert await second.probe() and second.exporting
+        assert _exported(second.metrics) == 0
+    finally:
+        await other_stores.close()
+
+
+async def test_the_depth_gauge_follows_changes_within_the_probe_interval(
+    js_stores: Stores,
+) -> None:
+    """A small queue is scanned again at every probe (a scan costs little), not after
+    ``queue_depth_interval_s``: a new entry shows within a probe interval or two."""
+    metrics = Metrics()
+    probe = QueueProbe(js_stores, metrics, probe_interval_s=0.2, depth_interval_s=300.0)
+    assert probe.next_scan_after_s(0.001) == 0.2
+    assert probe.next_scan_after_s(5.0) == 50.0
+    assert probe.next_scan_after_s(60.0) == 300.0
+    stop = asyncio.Event()
+    task = asyncio.create_task(probe.run(stop))
+
+    def pending(n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            got = metrics.registry.get_sample_value("jsqueue_queue_entries", {"state": "pending"})
+            return got == n
+
+        return check
+
+    try:
+        await wait_until(pending(0), timeout_s=10)
+        await js_stores.entries.create(make_entry())
+        await wait_until(pending(1), timeout_s=10)
+    finally:
+        stop.set()
+        await task

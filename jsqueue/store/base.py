@@ -374,7 +374,8 @@ class Inventory(Protocol):
 
 
 class Lock(Protocol):
-    """A lease on being the one reconciler of the cluster; JetStream:
+    """A lease on being the one process of the cluster that does something (the
+    reconciler's sweep, exporting the queue-wide gauges); JetStream:
     :mod:`jsqueue.store.jetstream.lock`."""
 
     async def acquire(self) -> bool:
@@ -403,6 +404,8 @@ class Stores:
     """One backend's body store, entry store and scheduler, plus how to close them.
 
     ``ingest`` is optional: without it the front end accepts resent messages as new ones.
+    ``lock`` makes a cluster-wide lock (name, TTL seconds), provisioned; None where the
+    backend serves one process only (memory), whose process then holds every lock.
     """
 
     bodies: BodyStore
@@ -410,6 +413,7 @@ class Stores:
     scheduler: Scheduler
     close: Callable[[], Awaitable[None]]
     ingest: IngestLog | None = None
+    lock: Callable[[str, float], Awaitable[Lock]] | None = None
 
 
 def encode_entry(entry: Entry, max_size: int) -> bytes:

@@ -18,11 +18,12 @@ from nats.aio.client import Client as NATS
 from jsqueue.config import NatsSettings
 from jsqueue.errors import ConfigError, ProvisioningError, StoreUnavailable
 from jsqueue.names import Names
-from jsqueue.store.base import Stores
+from jsqueue.store.base import Lock, Stores
 from jsqueue.store.jetstream.api import NATS_FAILURES, describe, translate
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.store.jetstream.ingest import JetStreamIngestLog
+from jsqueue.store.jetstream.lock import JetStreamLock
 from jsqueue.store.jetstream.provisioning import provision
 from jsqueue.store.jetstream.work import JetStreamScheduler
 
@@ -186,7 +187,14 @@ async def open_jetstream(
         await again.close()
         await _close(nc)
 
-    return Stores(bodies, entries, scheduler, close, ingest)
+    async def lock(key: str, ttl_s: float) -> Lock:
+        held = JetStreamLock(
+            nc, names, ttl_s=ttl_s, replicas=settings.replicas, timeout_s=timeout_s, key=key
+        )
+        await held.provision()
+        return held
+
+    return Stores(bodies, entries, scheduler, close, ingest, lock)
 
 
 async def queue_backlog(
