@@ -705,12 +705,19 @@ async def test_store_timeout_answers_451() -> None:
 # ------------------------------------------------------------------------ idempotent ingest
 
 
-async def _send_once(port: int, message: bytes, rcpts: list[str] | None = None) -> str:
+async def _send_once(
+    port: int, message: bytes, rcpts: list[str] | None = None, *, drop: bool = False
+) -> str:
+    """One transaction on a new connection, then QUIT, or (``drop``) the connection dropped
+    right after the 250, as when the client may not have seen it."""
     w = await Wire.connect(port)
     reply = await w.transaction(
         "a@example.test", rcpts or ["b@dest.example.test"], dot_stuff(message)
     )
-    await w.expect("QUIT", 221)
+    if drop:
+        await w.close()
+    else:
+        await w.expect("QUIT", 221)
     return queued_id(reply)
 
 
@@ -718,7 +725,7 @@ async def test_resent_message_gets_the_same_queue_id(mem: Stores) -> None:
     """Idempotent ingest: the same envelope + content within dedupe_window_s → 250 with the
     first queue id and no second entry, body or work item; other content → new id."""
     async with running(frontend_settings(dedupe_window_s=60), mem) as server:
-        first = await _send_once(server.port, MESSAGE)
+        first = await _send_once(server.port, MESSAGE, drop=True)
         again = await _send_once(server.port, MESSAGE)
         other = await _send_once(server.port, MESSAGE + b"P.S.\r\n")
         more_rcpts = await _send_once(
@@ -734,12 +741,36 @@ async def test_resend_after_the_first_copy_left_the_queue_is_new_mail(mem: Store
     (entry removed), the same transaction is queued anew, and that copy is what the next
     resend within the window is answered with."""
     async with running(frontend_settings(dedupe_window_s=60), mem) as server:
-        first = await _send_once(server.port, MESSAGE)
+        first = await _send_once(server.port, MESSAGE, drop=True)
         await mem.entries.delete(first)
-        second = await _send_once(server.port, MESSAGE)
+        second = await _send_once(server.port, MESSAGE, drop=True)
         third = await _send_once(server.port, MESSAGE)
     assert second != first and third == second
     assert [e.id for e in await entries_of(mem)] == [second]
+
+
+async def test_separate_submissions_the_client_saw_accepted_are_never_merged(
+    mem: Stores,
+) -> None:
+    """Resend protection covers one case only: the session broke right after the 250 (the
+    client may not have seen it, RFC 5321 §6.1). The same transaction again on the same
+    connection, or after a clean QUIT, or after any further command, is a new message."""
+    async with running(frontend_settings(dedupe_window_s=60), mem) as server:
+        w = await Wire.connect(server.port)
+        rcpts = ["b@dest.example.test"]
+        one = queued_id(await w.transaction("a@example.test", rcpts, dot_stuff(MESSAGE)))
+        two = queued_id(
+            await w.transaction("a@example.test", rcpts, dot_stuff(MESSAGE), ehlo=False)
+        )
+        await w.expect("NOOP", 250)
+        await w.close()
+        after_quit = await _send_once(server.port, MESSAGE)
+        after_noop = await _send_once(server.port, MESSAGE)
+        resent = await _send_once(server.port, MESSAGE, drop=True)
+        resent_again = await _send_once(server.port, MESSAGE, drop=True)
+    assert len({one, two, after_quit, after_noop, resent}) == 5
+    assert resent_again == resent  # the session broke right after that 250
+    assert len(await entries_of(mem)) == 5 and memory_body_count(mem) == 5
 
 
 async def test_dedupe_window_zero_queues_every_copy(mem: Stores) -> None:

@@ -132,8 +132,9 @@ async def test_nats_outage_gives_451_and_mail_flows_again_after_restart(
 
 async def test_resent_message_is_stored_once_on_jetstream(js_stores: Stores) -> None:
     """Idempotent ingest on JetStream (the ingest log KV bucket): a client that resends the
-    same envelope and content after losing our 250 gets the first queue id back, and the
-    queue holds one entry and one work item, not two."""
+    same envelope and content after losing our 250 (the session broke right after it)
+    gets the first queue id back, and the queue holds one entry and one work item, not two;
+    a copy sent after a clean QUIT is new mail."""
     assert js_stores.ingest is not None
     async with running(frontend_settings(dedupe_window_s=60), js_stores) as server:
         ids = []
@@ -142,8 +143,18 @@ async def test_resent_message_is_stored_once_on_jetstream(js_stores: Stores) -> 
             reply = await w.transaction(
                 "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE)
             )
-            await w.expect("QUIT", 221)
+            await w.close()  # no QUIT: the client may not have seen the 250
             ids.append(queued_id(reply))
+        w = await Wire.connect(server.port)
+        seen = await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE))
+        await w.expect("QUIT", 221)
+        await w.close()
+        assert queued_id(seen) == ids[0]  # still the resend of the first copy...
+        w = await Wire.connect(server.port)
+        new = await w.transaction("a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE))
+        await w.expect("QUIT", 221)
+        await w.close()
+        assert queued_id(new) not in ids  # ...but that QUIT proved the 250 arrived
     assert ids[0] == ids[1]
-    assert len(await js_stores.entries.page(limit=10)) == 1
-    assert await js_stores.scheduler.backlog() == 1
+    assert len(await js_stores.entries.page(limit=10)) == 2
+    assert await js_stores.scheduler.backlog() == 2

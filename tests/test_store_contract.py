@@ -574,6 +574,33 @@ async def test_ingest_claim_records_once_per_window(stores: Stores) -> None:
         await log.claim("A" * 64, first, 60)
 
 
+async def test_ingest_forget_removes_only_the_record_of_that_queue_id(stores: Stores) -> None:
+    """IngestLog.forget: the record goes when it still names that queue id (the client saw
+    its 250); a record naming another id stays; forgetting twice or a missing key is fine."""
+    log = stores.ingest
+    assert log is not None
+    key = hashlib.sha256(os.urandom(8)).hexdigest()
+    first, second = new_queue_id(), new_queue_id()
+    assert await log.claim(key, first, 60) is None
+    await log.forget(key, second)
+    assert await log.lookup(key, 60) == first
+    await log.forget(key, first)
+    assert await log.lookup(key, 60) is None
+    await log.forget(key, first)  # idempotent
+    assert await log.claim(key, second, 60) is None  # a new message takes the key
+    assert await log.lookup(key, 60) == second
+    await log.forget(hashlib.sha256(b"never").hexdigest(), first)
+    with pytest.raises(InvalidName):
+        await log.forget("A" * 64, first)
+
+
+def test_queue_ids_never_repeat_within_one_millisecond() -> None:
+    """Ids made in the same millisecond by any number of processes differ: 80 random bits
+    after the time (a restart or a second front end cannot repeat an id)."""
+    ids = {new_queue_id(now_ms=1_700_000_000_000) for _ in range(20_000)}
+    assert len(ids) == 20_000
+
+
 # --------------------------------------------------------------------------- body cache
 
 MIB = 1024 * 1024

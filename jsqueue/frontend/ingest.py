@@ -317,6 +317,37 @@ class Ingest:
             return None
         return found
 
+    def key_for(self, mail: Submission) -> str | None:
+        """The content key of ``mail`` in the ingest log (:func:`ingest_key`); None when
+        resend protection is off (``smtp.dedupe_window_s`` = 0 or no ingest log)."""
+        if self._log is None:
+            return None
+        return ingest_key(
+            reverse_path=mail.reverse_path,
+            recipients=mail.recipients,
+            ret=mail.ret,
+            envid=mail.envid,
+            smtputf8=mail.smtputf8,
+            auth_user=mail.auth_user,
+            content_sha256=mail.content_sha256,
+        )
+
+    async def forget(self, key: str, queue_id: str) -> None:
+        """The client saw the ``250`` for ``queue_id``: it sent a further command or QUIT
+        on that session. The resend protection of that message ends (RFC 5321 §6.1: only a
+        client that may have lost the ``250`` sends the same transaction again), so an
+        identical transaction later is queued as the new message it is. Best effort within
+        ``smtp.store_timeout_s``: a failure is logged, and at worst a later identical
+        message is answered with the first one's id. Never raises.
+        """
+        if self._log is None:
+            return
+        try:
+            async with asyncio.timeout(self._settings.store_timeout_s):
+                await self._log.forget(key, queue_id)
+        except (JsqueueError, TimeoutError, OSError) as e:
+            log.warning("%s: ingest record kept (forgetting it failed: %s)", queue_id, e)
+
     async def commit(self, upload: BodyUpload, mail: Submission) -> str:
         """Store body, entry and work items of one message; the queue id for the 250.
 
@@ -342,17 +373,7 @@ class Ingest:
                 (cleanup failures are logged and left for the orphan sweep).
         """
         queue_id = upload.queue_id
-        key = None
-        if self._log is not None:
-            key = ingest_key(
-                reverse_path=mail.reverse_path,
-                recipients=mail.recipients,
-                ret=mail.ret,
-                envid=mail.envid,
-                smtputf8=mail.smtputf8,
-                auth_user=mail.auth_user,
-                content_sha256=mail.content_sha256,
-            )
+        key = self.key_for(mail)
         stage = "body"
         body: asyncio.Future[BodyInfo] | None = None
         try:

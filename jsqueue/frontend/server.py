@@ -129,11 +129,12 @@ class SmtpServer:
         if not self._sessions:
             self._all_closed.set()
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a cleanup in the background; :meth:`stop` waits for it."""
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run a cleanup in the background; :meth:`stop` waits for it. Returns its task."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def start(self) -> None:
         """Listen on ``settings.host:settings.port``.

@@ -144,6 +144,13 @@ def _client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
     return ip
 
 
+def _is_closing(status: str | bytes) -> bool:
+    """Whether ``status`` is the 221 that answers QUIT (RFC 5321 §4.1.1.10)."""
+    return (
+        status[:3] if isinstance(status, str) else status[:3].decode("ascii", "replace")
+    ) == "221"
+
+
 class InboundSession(SMTP):
     """One inbound SMTP connection (RFC 5321 server side) on the front end's event loop.
 
@@ -183,6 +190,11 @@ class InboundSession(SMTP):
         self._released = False
         self._busy = False
         self._ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+        # Resend protection (jsqueue.frontend.ingest): the content key and queue id of the
+        # last 250 until the client sends a further command, and the forget that follows.
+        self._queued: tuple[str, str] | None = None
+        self._unconfirmed: tuple[str, str] | None = None
+        self._forgetting: asyncio.Task[None] | None = None
 
     # -- connection bookkeeping ---------------------------------------------------------
 
@@ -250,6 +262,11 @@ class InboundSession(SMTP):
         Raises:
             ConnectionError: the client has gone (raised by the transport's drain).
         """
+        self._confirm()
+        if self._forgetting is not None and _is_closing(status):
+            # QUIT: the forget is done before the 221, so a connection the client opens
+            # next finds the earlier copy's protection ended.
+            await asyncio.wait({self._forgetting})
         if isinstance(status, bytes):
             await super().push(status)
             return
@@ -257,6 +274,17 @@ class InboundSession(SMTP):
         if not status.startswith("220"):
             status = with_enhanced_code(status)
         await super().push(_PRINTABLE_ONLY.sub("?", status)[:510])
+
+    def _confirm(self) -> None:
+        """A further command came after a ``250`` for a message (every command is answered
+        through :meth:`push`, or through EHLO/HELO, which call this too): the client saw
+        that 250, so its resend protection ends, in the background. A session that breaks
+        right after a 250 never gets here and keeps it (:meth:`Ingest.forget`)."""
+        if self._unconfirmed is None:
+            return
+        key, queue_id = self._unconfirmed
+        self._unconfirmed = None
+        self._forgetting = self._server.spawn(self._server.ingest.forget(key, queue_id))
 
     async def _reply(self, reply: Reply, detail: str | None = None) -> None:
         await self.push(_line(reply, detail))
@@ -294,6 +322,7 @@ class InboundSession(SMTP):
         """RFC 5321 §4.1.1.1; capabilities: PIPELINING (RFC 2920), SIZE (RFC 1870), 8BITMIME
         (RFC 6152), SMTPUTF8 (RFC 6531), ENHANCEDSTATUSCODES (RFC 2034), DSN (RFC 3461),
         STARTTLS (RFC 3207) before TLS, AUTH (RFC 4954) inside it."""
+        self._confirm()
         if not hostname:
             await self._reply(R501_BAD_PARAMETER, "Syntax: EHLO hostname")
             return
@@ -319,6 +348,7 @@ class InboundSession(SMTP):
     @syntax("HELO hostname")
     async def smtp_HELO(self, hostname: str | None) -> None:
         """RFC 5321 §4.1.1.1: plain SMTP, no extensions."""
+        self._confirm()
         if not hostname:
             await self._reply(R501_BAD_PARAMETER, "Syntax: HELO hostname")
             return
@@ -555,6 +585,8 @@ class InboundSession(SMTP):
         if self._server.draining:
             await self._reply(R421_SHUTTING_DOWN)
             self._close()
+        elif self._queued is not None:  # a 250: protected until a further command comes
+            self._unconfirmed, self._queued = self._queued, None
 
     async def _receive(self, txn: _Transaction) -> str | None:
         """Read the message after 354 and store it; the reply, or None if already closed."""
@@ -626,10 +658,16 @@ class InboundSession(SMTP):
             auth_user=self._auth_user,
             eight_bit=decoder.eight_bit or not received.isascii(),
         )
+        if self._forgetting is not None and not self._forgetting.done():
+            # An earlier 250 of this session is forgotten before this claim (bounded by
+            # store_timeout_s), so the same transaction sent again here is new mail.
+            await asyncio.wait({self._forgetting})
         try:
             queued = await self._server.ingest.commit(upload, mail)
         except NotQueued as e:
             return _line(e.reply)
         finally:
             self._reset_timeout()
+        key = self._server.ingest.key_for(mail)
+        self._queued = (key, queued) if key is not None else None
         return _line(R250_QUEUED, f"{R250_QUEUED.text} {queued}")

@@ -314,6 +314,18 @@ class IngestLog(Protocol):
         """
         ...
 
+    async def forget(self, key: str, queue_id: str) -> None:
+        """Remove the record under ``key`` if it still names ``queue_id``: the client
+        proved it saw the ``250`` for that message (it sent a further command or QUIT), so
+        an identical transaction later is a new message, not a resend. Idempotent; a
+        record naming another queue id is left alone.
+
+        Raises:
+            InvalidName: bad key or queue id.
+            StoreUnavailable.
+        """
+        ...
+
 
 class Inventory(Protocol):
     """Cheap listings of what the queue's streams hold (no value reads, no consumers), for

@@ -316,6 +316,17 @@ class MemoryIngestLog:
         await self.record(key, queue_id)
         return None
 
+    async def forget(self, key: str, queue_id: str) -> None:
+        """See :meth:`IngestLog.forget`.
+
+        Raises:
+            InvalidName: bad key or queue id.
+        """
+        check_ingest_key(key)
+        found = self._records.get(key)
+        if found is not None and found[0] == check_queue_id(queue_id):
+            del self._records[key]
+
     async def record(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.record`. Drops records older than the largest window seen."""
         check_ingest_key(key)

@@ -14,6 +14,7 @@ from jsqueue.names import Names, check_queue_id, kv_subject_prefix
 from jsqueue.store.base import check_ingest_key
 from jsqueue.store.jetstream.api import (
     HDR_EXPECTED_LAST_SUBJ_SEQ,
+    HDR_KV_OP,
     is_wrong_last_seq,
     publish,
     translate,
@@ -76,6 +77,31 @@ class JetStreamIngestLog:
             await self.record(key, queue_id)
         # (our own id: a retried claim that was stored after all)
         return None if earlier in (None, queue_id) else earlier
+
+    async def forget(self, key: str, queue_id: str) -> None:
+        """See :meth:`IngestLog.forget`: a KV delete that expects the record read (its
+        subject sequence), so a record another front end wrote meanwhile stays.
+
+        Raises:
+            InvalidName: bad key or queue id.
+            StoreUnavailable: NATS unreachable or the request failed.
+        """
+        check_ingest_key(key)
+        check_queue_id(queue_id)
+        what = f"ingest {key[:12]}: forget"
+        with translate(what):
+            try:
+                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
+            except nats.js.errors.NotFoundError:
+                return
+        if not msg.data or json.loads(msg.data).get("id") != queue_id:
+            return
+        headers = {HDR_KV_OP: "DEL", HDR_EXPECTED_LAST_SUBJ_SEQ: str(msg.seq)}
+        try:
+            await publish(self.js, self._pre + key, b"", headers, what=what)
+        except nats.js.errors.APIError as e:
+            if not is_wrong_last_seq(e):  # changed meanwhile: not ours to remove any more
+                raise unavailable(what, e) from e
 
     async def record(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.record`."""
