@@ -18,6 +18,9 @@ jsqueue_accepted_bodies_total{layout}      counter    those messages by where th
                                                       ``inline`` in the KV entry
                                                       (``smtp.inline_body_max``) or
                                                       ``object_store``
+jsqueue_smtp_rejections_total{code}        counter    4yz/5yz replies of the SMTP front end, by
+                                                      reply code (relay denied, too many
+                                                      recipients, storage failures, sizes ...)
 jsqueue_delivery_attempts_total{outcome}   counter    recipient delivery attempts by outcome
                                                       (delivered, deferred, bounced, expired)
 jsqueue_delivery_duration_seconds{outcome} histogram  duration of the SMTP attempt, per recipient
@@ -145,6 +148,12 @@ class Metrics:
             "the replies cut further, or held.",
             registry=r,
         )
+        self.rejections = Counter(
+            "jsqueue_smtp_rejections",
+            "4yz/5yz replies the SMTP front end sent, by reply code.",
+            ["code"],
+            registry=r,
+        )
         self.queue = QueueGauges()
         r.register(self.queue)
         self.exporter = Gauge(
@@ -187,6 +196,10 @@ class Metrics:
         self.queue.counts = {st: counts.get(st, 0) for st in EntryState}
         self.queue.scan_duration_s = took_s
         self.queue.scan_timestamp_s = time.time()
+
+    def rejected(self, code: int) -> None:
+        """Count one 4yz/5yz reply of the front end (its ``on_reject`` hook). Never raises."""
+        self.rejections.labels(str(code)).inc()
 
     def set_exporting(self, exporting: bool) -> None:
         """This process does (or no longer does) export the queue-wide gauges."""

@@ -154,7 +154,9 @@ async def run_services(
         tasks: list[asyncio.Task[None]] = []
         owner = "-"
         if smtp:
-            server = await serve_smtp(settings.smtp, stores, tel.observer)
+            server = await serve_smtp(
+                settings.smtp, stores, tel.observer, on_reject=tel.metrics.rejected
+            )
             stack.push_async_callback(server.stop)
             tel.health.set("smtp", True)
         if worker:

@@ -27,6 +27,7 @@ from jsqueue.nats_server import EmbeddedNats
 from jsqueue.runtime import run_services
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
+from support.frontend import FaultyStores, Wire, dot_stuff, frontend_settings, running
 from support.mx import SmtpdMx
 from support.nats import make_entry, wait_until
 from support.queue import Harness, eventually
@@ -385,3 +386,52 @@ async def test_the_depth_gauge_follows_changes_within_the_probe_interval(
     finally:
         stop.set()
         await task
+
+
+async def test_front_end_rejections_are_logged_and_counted_by_code(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every refusal the front end answers is one log line with the client address and one
+    count of ``jsqueue_smtp_rejections_total{code}``: relay denied (554), too many
+    recipients (452), bad syntax (501), bare line ending (550), storage failure (451)."""
+    metrics = Metrics()
+    faulty = FaultyStores()
+    settings = frontend_settings(relay_networks=["127.0.0.0/8"], max_recipients=1)
+    caplog.set_level(logging.INFO, logger="jsqueue.frontend")
+    async with running(settings, faulty.stores, on_reject=metrics.rejected) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test", 501)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<b@dest.example.test>", 250)
+        await w.expect("RCPT TO:<c@dest.example.test>", 452)
+        await w.expect("DATA", 354)
+        await w.send(b"Subject: x\r\n\r\nbare\nline\r\n.\r\n")
+        assert (await w.reply()).code == 550
+        faulty.fault("put").fail = True
+        faulty.fault("create").fail = True
+        r = await w.transaction(
+            "a@example.test", ["b@dest.example.test"], dot_stuff(b"x\r\n"), ehlo=False
+        )
+        assert r.code == 451
+        await w.expect("QUIT", 221)
+        await w.close()
+    async with running(
+        frontend_settings(relay_networks=["192.0.2.0/24"]), faulty.inner, on_reject=metrics.rejected
+    ) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<b@dest.example.test>", 554)
+        await w.close()
+
+    def count(code: str) -> float | None:
+        return metrics.registry.get_sample_value("jsqueue_smtp_rejections_total", {"code": code})
+
+    assert {c: count(c) for c in ("501", "452", "550", "451", "554")} == dict.fromkeys(
+        ("501", "452", "550", "451", "554"), 1.0
+    )
+    lines = [r.getMessage() for r in caplog.records if "smtp rejection" in r.getMessage()]
+    assert len(lines) == 5
+    assert all("client=127.0.0.1" in line for line in lines)
+    assert any("reply='554 5.7.1" in line and "from=<a@example.test>" in line for line in lines)

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
 
@@ -62,12 +62,19 @@ class SmtpServer:
     """
 
     def __init__(
-        self, settings: SmtpSettings, stores: Stores, observer: Observer = NULL_OBSERVER
+        self,
+        settings: SmtpSettings,
+        stores: Stores,
+        observer: Observer = NULL_OBSERVER,
+        *,
+        on_reject: Callable[[int], None] | None = None,
     ) -> None:
         """Args:
         settings: the ``smtp`` settings section.
         stores: where messages go (JetStream or memory).
         observer: receives a ``received`` event per message queued (jsqueue.events).
+        on_reject: called with the reply code of every 4yz/5yz reply a session sends
+            (the ``jsqueue_smtp_rejections_total`` counter); must not raise.
 
         Raises:
             ConfigError: unusable TLS files, ``require_tls`` without them, or a bad auth file.
@@ -79,6 +86,7 @@ class SmtpServer:
             raise ConfigError("smtp.require_tls needs smtp.tls_cert and smtp.tls_key")
         self.users = UserDB.load(settings.auth_file) if settings.auth_file else None
         self.ingest = Ingest(settings, stores, observer)
+        self.on_reject = on_reject
         self.draining = False
         self._server: asyncio.Server | None = None
         self._sessions: set[InboundSession] = set()
@@ -200,7 +208,11 @@ class SmtpServer:
 
 
 async def serve_smtp(
-    settings: SmtpSettings, stores: Stores, observer: Observer = NULL_OBSERVER
+    settings: SmtpSettings,
+    stores: Stores,
+    observer: Observer = NULL_OBSERVER,
+    *,
+    on_reject: Callable[[int], None] | None = None,
 ) -> SmtpServer:
     """Start the SMTP front end on the running event loop.
 
@@ -209,6 +221,7 @@ async def serve_smtp(
             networks, dedupe window, store timeout).
         stores: body store, entry store, scheduler and (optionally) ingest log.
         observer: receives a ``received`` event per message queued.
+        on_reject: called with the code of every 4yz/5yz reply sent (metrics).
 
     Returns:
         the started server; ``await server.stop()`` to shut it down.
@@ -217,6 +230,6 @@ async def serve_smtp(
         ConfigError: bad TLS or auth file settings.
         ListenError: the listen address cannot be bound.
     """
-    server = SmtpServer(settings, stores, observer)
+    server = SmtpServer(settings, stores, observer, on_reject=on_reject)
     await server.start()
     return server

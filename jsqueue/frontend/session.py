@@ -221,6 +221,7 @@ class InboundSession(SMTP):
     def _timeout_cb(self) -> None:
         log.info("%r idle timeout", self.session.peer if self.session else None)
         if self.transport is not None and not self.transport.is_closing():
+            self._log_rejection(str(R421_TIMEOUT))
             self._writer.write(f"{R421_TIMEOUT}\r\n".encode())
             self._close()
 
@@ -267,6 +268,7 @@ class InboundSession(SMTP):
             # QUIT: the forget is done before the 221, so a connection the client opens
             # next finds the earlier copy's protection ended.
             await asyncio.wait({self._forgetting})
+        self._log_rejection(status)
         if isinstance(status, bytes):
             await super().push(status)
             return
@@ -274,6 +276,28 @@ class InboundSession(SMTP):
         if not status.startswith("220"):
             status = with_enhanced_code(status)
         await super().push(_PRINTABLE_ONLY.sub("?", status)[:510])
+
+    def _log_rejection(self, status: str | bytes) -> None:
+        """Every 4yz/5yz reply a session sends (RFC 5321 §4.2.1: a refusal of a command,
+        relay denied, too many recipients, storage failures, bare line endings, sizes,
+        syntax, AUTH) is one log line with the client address and the transaction so far,
+        and one count by reply code (``jsqueue_smtp_rejections_total{code}``)."""
+        text = status if isinstance(status, str) else status.decode("ascii", "replace")
+        code = text[:3]
+        if not (code.isdigit() and code[0] in "45"):
+            return
+        txn = self.envelope if isinstance(self.envelope, _Transaction) else None
+        sender = txn.reverse_path if txn is not None else None
+        log.info(
+            "smtp rejection client=%s reply=%r from=%s rcpts=%d",
+            self._ip or "-",
+            text.split("\r\n", 1)[0][:200],
+            "-" if sender is None else f"<{sender}>",
+            len(txn.recipients) if txn is not None else 0,
+            extra={"client": str(self._ip) if self._ip else None, "code": int(code)},
+        )
+        if self._server.on_reject is not None:
+            self._server.on_reject(int(code))
 
     def _confirm(self) -> None:
         """A further command came after a ``250`` for a message (every command is answered

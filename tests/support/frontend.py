@@ -60,9 +60,11 @@ def frontend_settings(**overrides: Any) -> SmtpSettings:
 
 
 @contextlib.asynccontextmanager
-async def running(settings: SmtpSettings, stores: Stores) -> AsyncIterator[SmtpServer]:
+async def running(
+    settings: SmtpSettings, stores: Stores, *, on_reject: Callable[[int], None] | None = None
+) -> AsyncIterator[SmtpServer]:
     """A started front end; stopped (bounded) on exit."""
-    server = await serve_smtp(settings, stores)
+    server = await serve_smtp(settings, stores, on_reject=on_reject)
     try:
         yield server
     finally:
