@@ -366,7 +366,13 @@ class Admin:
     async def _reschedule(self, entry: Entry) -> None:
         """Publish one due-now work item per open domain with ``entry``'s generation (the
         first domain when none is open, so a worker finishes the entry: DSNs, removal); then
-        make sure no newer generation's item was purged by ours (docs/architecture.md)."""
+        make sure no newer generation's item was purged by ours (docs/architecture.md).
+
+        Raises:
+            RevisionConflict: the entry's generation kept changing for
+                :data:`RESCHEDULE_ROUNDS` rounds (flush it again).
+            StoreUnavailable: a publish or a read failed.
+        """
         for _ in range(RESCHEDULE_ROUNDS):
             domains = [d for d in entry.domains if entry.open_recipients(d)] or entry.domains[:1]
             for domain in domains:

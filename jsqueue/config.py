@@ -74,7 +74,11 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: object, info: ValidationInfo) -> object:
-        """``true``/``false`` (TOML, JSON) is not a number; pydantic would read it as 1/0."""
+        """``true``/``false`` (TOML, JSON) is not a number; pydantic would read it as 1/0.
+
+        Raises:
+            ValueError: a boolean given for an int or float setting.
+        """
         numeric = info.field_name is not None and cls.model_fields[info.field_name].annotation in (
             int,
             float,
@@ -99,7 +103,12 @@ _LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 def _host(value: object) -> object:
     """A host name (RFC 1123 §2.1: LDH labels, not dotted-decimal) or an IP address without
     brackets; anything else (empty, ``host:port``, ``[addr]``, a URL) is refused here
-    rather than found at the first connection or bind."""
+    rather than found at the first connection or bind.
+
+    Raises:
+        ValueError: not a host name or IP address (empty, longer than 253 characters, all
+            labels numeric, a label outside LDH, ``host:port``, ``[addr]`` or a URL).
+    """
     if not isinstance(value, str):
         return value
     text = value.strip()
@@ -419,7 +428,11 @@ def env_names() -> set[str]:
 
 def _check_environment(environ: os._Environ[str] | dict[str, str]) -> None:
     """Raise ConfigError for the first ``JSQUEUE_…`` variable that names no setting, with
-    the closest real name as a hint."""
+    the closest real name as a hint.
+
+    Raises:
+        ConfigError: a ``JSQUEUE_…`` variable names no setting (the first in sorted order).
+    """
     known = env_names()
     for name in sorted(environ):
         upper = name.upper()

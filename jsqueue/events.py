@@ -511,7 +511,11 @@ async def tail(
 
 async def _caught_up(sub: Any) -> bool:
     """Whether the ordered consumer behind ``sub`` has nothing pending (after a quiet
-    second with no message: an empty stream, or a start point past the last event)."""
+    second with no message: an empty stream, or a start point past the last event).
+
+    Raises:
+        StoreUnavailable: the consumer info request failed (NATS error, timeout, socket).
+    """
     import nats.errors
 
     try:

@@ -93,6 +93,8 @@ class HttpServer:
 
         Raises:
             ListenError: the address cannot be bound (names ``http.host``/``http.port``).
+            listen_error: the ListenError above, as built by
+                :func:`~jsqueue.errors.listen_error`.
         """
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port)

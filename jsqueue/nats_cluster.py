@@ -421,7 +421,12 @@ async def _request(
 
 
 async def _wait_js_ready(url: str, deadline: float) -> None:
-    """Poll ``$JS.API.INFO`` on ``url`` until it answers without error."""
+    """Poll ``$JS.API.INFO`` on ``url`` until it answers without error.
+
+    Raises:
+        JsqueueError: no answer without error by ``deadline`` (:func:`time.monotonic`);
+            the message names the last error.
+    """
     last = "no answer"
     while True:
         try:

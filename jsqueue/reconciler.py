@@ -328,7 +328,11 @@ class Reconciler:
             return None
 
     async def _scan_read(self, queue_id: str) -> Entry | StoreError | None:
-        """:meth:`_read`, with an unreadable entry (not an outage) as a value to report."""
+        """:meth:`_read`, with an unreadable entry (not an outage) as a value to report.
+
+        Raises:
+            StoreUnavailable: the read failed (an outage: re-raised, not reported).
+        """
         try:
             return await self._read(queue_id)
         except StoreUnavailable:

@@ -133,7 +133,11 @@ async def run_services(
 
     Raises:
         StoreUnavailable: NATS unreachable at start.
-        ConfigError, ProvisioningError, OSError (listen address taken).
+        ConfigError: no NATS URL, or unusable front-end TLS or auth file settings.
+        ProvisioningError: a stream, bucket or consumer cannot be brought in line.
+        OSError: the SMTP or HTTP listen address cannot be bound (a :class:`ListenError`).
+        JsqueueError: the embedded nats-server is missing or cannot start (port taken), or
+            it died while running (after the orderly shutdown).
     """
     nats_died = False
 

@@ -342,7 +342,9 @@ class Worker:
         Raises:
             EntryTooLarge: the entry store refuses the recorded entry for its size.
             RevisionConflict: every try lost (:data:`RECORD_TRIES`).
-            StoreUnavailable.
+            StoreUnavailable: a read or write failed.
+            AssertionError: never: :func:`~jsqueue.store.cas.versions` raises
+                RevisionConflict when its tries run out (an unreachable guard).
         """
         versions = cas.versions(self.stores.entries, start, tries=RECORD_TRIES, pause=self._pause)
         async for v in versions:
@@ -430,8 +432,9 @@ class Worker:
         an entry too large with its inline body is written without it).
 
         Raises:
-            RevisionConflict, EntryTooLarge (too large even without a body),
-            StoreUnavailable.
+            RevisionConflict: the entry changed since ``revision``.
+            EntryTooLarge: too large even without an inline body (nothing written).
+            StoreUnavailable: the entry store, or the body store the body is moved to, failed.
         """
         return await layout.update_entry(self.stores, entry, revision)
 
@@ -464,7 +467,9 @@ class Worker:
         (an admin change, a DSN mark) the entry is read again and renewed at the next beat.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the write or the read after a lost compare-and-set failed.
+            EntryTooLarge: the renewed entry is too large even without an inline body (not
+                expected: a renewal is no larger than the claim).
         """
         entry = held.version.entry
         renewed = state.renewed(entry, domain, self.owner, self.clock(), self.settings.lease_s)

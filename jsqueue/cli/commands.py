@@ -61,7 +61,11 @@ ConfigOption = Annotated[
 def reader_gone() -> NoReturn:
     """The reader of our output went away (``jsqueue queue ls | head``): end quietly with
     status 0, as Unix filters do. Standard output is pointed at /dev/null first, so the
-    flush at exit cannot fail again."""
+    flush at exit cannot fail again.
+
+    Raises:
+        typer.Exit: always, with status 0.
+    """
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     raise typer.Exit(0)
@@ -432,7 +436,14 @@ def _bulk(
     as_json: bool,
 ) -> None:
     """Run ``action`` on the given ids, or on every entry the filter (or --all) selects;
-    ``-`` as the only id reads the ids from standard input (like ``postsuper -d -``)."""
+    ``-`` as the only id reads the ids from standard input (like ``postsuper -d -``).
+
+    Raises:
+        typer.Exit: status 2 for a usage error (no ids on standard input, a line there that
+            is no queue id, ids together with a filter or --all, neither given) or an
+            invalid configuration; 1 when an action failed or the queue could not be
+            reached; 0 when the reader of the output went away.
+    """
     if ids == ["-"]:
         ids = _ids_from_stdin()
         if not ids:

@@ -43,7 +43,9 @@ class BodyCache:
         section, once per attempt).
 
         Raises:
-            whatever the body source raises.
+            BodyNotFound: the body source has no body (passed through).
+            BodyCorrupt: the body does not match its digest (passed through).
+            StoreUnavailable: the body store failed (passed through).
         """
         if self._headers_8bit is None:
             tail = b""
@@ -75,7 +77,9 @@ class BodyCache:
         Raises:
             ConversionError: see :func:`to_7bit`, or the body is too large to convert
                 (raised again on each later call).
-            whatever the body source raises.
+            BodyNotFound: the body source has no body (passed through).
+            BodyCorrupt: the body does not match its digest (passed through).
+            StoreUnavailable: the body store failed (passed through).
         """
         if self._conversion_error is not None:
             raise ConversionError(self._conversion_error)

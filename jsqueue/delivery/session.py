@@ -241,7 +241,12 @@ class OutboundSession:
         )
 
     async def _hello(self) -> dict[str, str]:
-        """EHLO (HELO after a 5xx); returns the lower-cased extension table."""
+        """EHLO (HELO after a 5xx); returns the lower-cased extension table.
+
+        Raises:
+            NextMx: EHLO got 421 or a temporary reply, the HELO after a permanent one was
+                refused, or a command failed (timeout, lost connection, unparsable reply).
+        """
         assert self.smtp is not None
         s = self.settings
         response, reply = await self._command_or_next(
@@ -264,7 +269,12 @@ class OutboundSession:
     async def _command_or_next(
         self, stage: str, timeout_s: float, *args: bytes
     ) -> tuple[SMTPResponse, Reply]:
-        """A command before any recipient is accepted: any failure means next MX."""
+        """A command before any recipient is accepted: any failure means next MX.
+
+        Raises:
+            NextMx: the command failed (SMTP error, timeout, lost connection, unparsable
+                reply); carries the synthesised reply.
+        """
         assert self.smtp is not None
         try:
             response = await self.smtp.execute_command(*args, timeout=timeout_s)
@@ -285,7 +295,15 @@ class OutboundSession:
         return ctx
 
     async def _starttls(self, extensions: dict[str, str]) -> dict[str, str]:
-        """STARTTLS per policy; returns the extensions to use afterwards."""
+        """STARTTLS per policy; returns the extensions to use afterwards.
+
+        Raises:
+            NextMx: TLS is required (``required``/``verify``) and STARTTLS is not offered,
+                there is no name to verify, or it is refused or fails; or the server
+                refused it with 421 or dropped the connection; or the EHLO after it failed.
+            TlsFallback: opportunistic STARTTLS failed in the handshake: retry the address
+                in plaintext.
+        """
         assert self.smtp is not None
         policy = self.policy
         if policy is TlsPolicy.NEVER or (policy is TlsPolicy.OPPORTUNISTIC and not self.allow_tls):

@@ -149,6 +149,8 @@ class SmtpServer:
 
         Raises:
             ListenError: the address cannot be bound (names ``smtp.host``/``smtp.port``).
+            listen_error: the ListenError above, as built by
+                :func:`~jsqueue.errors.listen_error`.
         """
         loop = asyncio.get_running_loop()
         try:

@@ -491,7 +491,13 @@ class InboundSession(SMTP):
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
         """RFC 5321 §4.1.1.2 with SIZE (RFC 1870), BODY (RFC 6152), SMTPUTF8 (RFC 6531 §3.4),
-        RET and ENVID (RFC 3461 §4.3, §4.4) and AUTH (RFC 4954 §5) parameters."""
+        RET and ENVID (RFC 3461 §4.3, §4.4) and AUTH (RFC 4954 §5) parameters.
+
+        Raises:
+            SyntaxProblem: never out of this method: raised for a malformed, unsupported
+                or too large parameter and answered here with its reply.
+            ConnectionError: the client has gone while the reply was sent.
+        """
         if await self.check_helo_needed():
             return
         assert self.session is not None
@@ -537,7 +543,13 @@ class InboundSession(SMTP):
     @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_RCPT(self, arg: str | None) -> None:
         """RFC 5321 §4.1.1.3 with NOTIFY and ORCPT (RFC 3461 §4.1, §4.2); relay control
-        (RFC 5321 §3.6.2) and the recipient limit (§4.5.3.1.10)."""
+        (RFC 5321 §3.6.2) and the recipient limit (§4.5.3.1.10).
+
+        Raises:
+            SyntaxProblem: never out of this method: raised for a malformed or unsupported
+                parameter or a refused relay and answered here with its reply.
+            ConnectionError: the client has gone while the reply was sent.
+        """
         if await self.check_helo_needed():
             return
         assert self.session is not None
@@ -613,7 +625,16 @@ class InboundSession(SMTP):
             self._unconfirmed, self._queued = self._queued, None
 
     async def _receive(self, txn: _Transaction) -> str | None:
-        """Read the message after 354 and store it; the reply, or None if already closed."""
+        """Read the message after 354 and store it; the reply, or None if already closed.
+
+        Raises:
+            ConnectionResetError: the client closed the connection during DATA (the upload
+                is aborted).
+            ConnectionError: the client's connection failed while the 354 went out or the
+                message was read (an upload begun is aborted).
+            CancelledError: the task was cancelled (re-raised after cleanup: the upload is
+                aborted).
+        """
         assert txn.reverse_path is not None
         await self.push(R354_START_INPUT)
         queue_id = new_queue_id()

@@ -84,7 +84,11 @@ class Command:
 
 
 def _split_path(text: str) -> tuple[str, str]:
-    """Split ``<path> params`` at the closing bracket (quoted ``>`` do not count)."""
+    """Split ``<path> params`` at the closing bracket (quoted ``>`` do not count).
+
+    Raises:
+        ValueError: no opening ``<``, or no closing ``>`` outside quotes.
+    """
     if not text.startswith("<"):
         raise ValueError("path must be enclosed in angle brackets")
     quoted = escaped = False
@@ -102,7 +106,11 @@ def _split_path(text: str) -> tuple[str, str]:
 
 
 def _check_literal(literal: str) -> None:
-    """Validate an address literal (RFC 5321 §4.1.3); general literals are refused."""
+    """Validate an address literal (RFC 5321 §4.1.3); general literals are refused.
+
+    Raises:
+        ValueError: neither an IPv4 address nor ``IPv6:`` and an IPv6 address.
+    """
     inner = literal[1:-1]
     try:
         if inner[:5].lower() == "ipv6:":

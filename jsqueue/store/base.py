@@ -82,7 +82,9 @@ class BodyStore(Protocol):
         """Size and digest of a stored body.
 
         Raises:
-            BodyNotFound, StoreUnavailable.
+            InvalidName: bad queue id.
+            BodyNotFound: nothing stored under the id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -90,7 +92,8 @@ class BodyStore(Protocol):
         """Delete a body. Idempotent: deleting a missing body is not an error.
 
         Raises:
-            StoreUnavailable.
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -115,7 +118,10 @@ class EntryStore(Protocol):
 
         Raises:
             EntryExists: an entry (not deleted) is already stored under the id.
-            InvalidName, StoreUnavailable.
+            EntryTooLarge: the stored form is larger than :attr:`max_value_size` (nothing
+                is written).
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -123,8 +129,11 @@ class EntryStore(Protocol):
         """Read an entry and its revision.
 
         Raises:
-            EntryNotFound (:class:`EntryDeleted` when the store knows the entry was
-            deleted lately, as opposed to not stored yet), InvalidName, StoreUnavailable.
+            EntryDeleted: no entry, and the store knows it was deleted lately (an
+                EntryNotFound).
+            EntryNotFound: no entry under the id (not stored yet, or long gone).
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -136,7 +145,10 @@ class EntryStore(Protocol):
 
         Raises:
             RevisionConflict: the entry changed (or was deleted) since ``revision`` was read.
-            StoreUnavailable.
+            EntryTooLarge: the stored form is larger than :attr:`max_value_size` (nothing
+                is written).
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -147,7 +159,8 @@ class EntryStore(Protocol):
 
         Raises:
             RevisionConflict: ``revision`` given and the entry changed meanwhile.
-            StoreUnavailable.
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -164,7 +177,7 @@ class EntryStore(Protocol):
             limit: at most this many entries (1..10000).
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -172,7 +185,7 @@ class EntryStore(Protocol):
         """Number of entries in each derived state (states with none are omitted).
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -215,7 +228,8 @@ class Scheduler(Protocol):
         Idempotent per (queue id, domain, generation) within the dedupe window.
 
         Raises:
-            InvalidName, StoreUnavailable.
+            InvalidName: the item's queue id or domain is not valid.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -226,7 +240,7 @@ class Scheduler(Protocol):
         delay, not returned. Returns an empty list on timeout.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -236,7 +250,8 @@ class Scheduler(Protocol):
         Takes effect within about a second however long the old delay was (DESIGN.md §4).
 
         Raises:
-            InvalidName, StoreUnavailable.
+            InvalidName: the item's queue id or domain is not valid.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -244,7 +259,8 @@ class Scheduler(Protocol):
         """Remove every scheduled item of an entry. Idempotent.
 
         Raises:
-            InvalidName, StoreUnavailable.
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -252,7 +268,7 @@ class Scheduler(Protocol):
         """Items scheduled and not yet settled (due, deferred and in flight).
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -287,7 +303,7 @@ class IngestLog(Protocol):
 
         Raises:
             InvalidName: ``key`` is not 64 lower-case hex characters.
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -301,7 +317,7 @@ class IngestLog(Protocol):
 
         Raises:
             InvalidName: bad key or queue id.
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -310,7 +326,7 @@ class IngestLog(Protocol):
 
         Raises:
             InvalidName: bad key or queue id.
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -336,7 +352,7 @@ class Inventory(Protocol):
         """Keys of the entries bucket (recently deleted keys may be included).
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -344,7 +360,7 @@ class Inventory(Protocol):
         """Work-stream subjects holding at least one item (of one entry when given).
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -352,7 +368,7 @@ class Inventory(Protocol):
         """Queue ids that have a stored body.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -360,7 +376,7 @@ class Inventory(Protocol):
         """When the body was stored (UTC), None when there is none.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -372,7 +388,7 @@ class Inventory(Protocol):
             thorough: read every body's meta even when the counts look consistent.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 
@@ -380,7 +396,7 @@ class Inventory(Protocol):
         """Remove one chunk set. Idempotent.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: the backend failed.
         """
         ...
 

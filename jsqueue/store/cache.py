@@ -142,7 +142,11 @@ class CachedBodyStore:
         """See :meth:`BodyStore.open` (``expect`` is passed to the inner store).
 
         Raises:
-            BodyNotFound, BodyCorrupt, StoreUnavailable (also for local disk errors).
+            InvalidName: bad queue id.
+            BodyNotFound: the inner store has nothing under the id.
+            BodyCorrupt: the body (stored, or its cached copy) does not match its digest or
+                ``expect``.
+            StoreUnavailable: the inner store failed, or a local disk error while caching.
         """
         check_queue_id(queue_id)
         never = self.max_bytes == 0 or (expect is not None and expect.size <= UNCACHED_MAX)
@@ -242,6 +246,12 @@ class CachedBodyStore:
         Returns:
             the body itself when it is at most :data:`UNCACHED_MAX` octets (not cached),
             else None.
+
+        Raises:
+            StoreUnavailable: the inner store failed, or writing the cache file failed (the
+                partial file is removed).
+            BodyNotFound: the inner store has nothing under the id.
+            BodyCorrupt: the stored body does not match its digest or ``expect``.
         """
         tmp = self.directory / f"{queue_id}{_SUFFIX}.{os.getpid()}.part"
         h = hashlib.sha256()

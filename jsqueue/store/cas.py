@@ -171,6 +171,8 @@ async def change(
         EntryNotFound: the entry does not exist (or was deleted meanwhile).
         RevisionConflict: every try lost the race.
         StoreUnavailable: a read or write failed.
+        AssertionError: never: :func:`versions` raises RevisionConflict when its tries run
+            out, so the loop cannot end otherwise (an unreachable guard).
     """
     queue_id = start if isinstance(start, str) else start.entry.id
     async for v in versions(entries, start, tries=tries, pause=pause):

@@ -103,7 +103,7 @@ async def update_entry(stores: Stores, entry: Entry, revision: int) -> Versioned
     Raises:
         RevisionConflict: the entry changed since ``revision``.
         EntryTooLarge: too large even without an inline body (nothing written).
-        StoreUnavailable.
+        StoreUnavailable: the entry store, or the body store the body is moved to, failed.
     """
     try:
         return Versioned(entry, await stores.entries.update(entry, revision))

@@ -64,7 +64,13 @@ class MemoryBodyStore:
     async def open(
         self, queue_id: str, *, expect: BodyInfo | None = None
     ) -> AsyncGenerator[bytes, None]:
-        """See :meth:`BodyStore.open`."""
+        """See :meth:`BodyStore.open`.
+
+        Raises:
+            InvalidName: bad queue id.
+            BodyNotFound: nothing stored under the id.
+            BodyCorrupt: the bytes do not match the stored digest, or ``expect``.
+        """
         check_queue_id(queue_id)
         try:
             data, expected = self._bodies[queue_id]
@@ -83,7 +89,12 @@ class MemoryBodyStore:
             raise BodyCorrupt(f"body {queue_id}: digest mismatch")
 
     async def info(self, queue_id: str) -> BodyInfo:
-        """See :meth:`BodyStore.info`."""
+        """See :meth:`BodyStore.info`.
+
+        Raises:
+            InvalidName: bad queue id.
+            BodyNotFound: nothing stored under the id.
+        """
         check_queue_id(queue_id)
         try:
             data, digest = self._bodies[queue_id]
@@ -113,7 +124,13 @@ class MemoryEntryStore:
         self._seq = itertools.count(1)
 
     async def create(self, entry: Entry) -> int:
-        """See :meth:`EntryStore.create`."""
+        """See :meth:`EntryStore.create`.
+
+        Raises:
+            InvalidName: bad queue id.
+            EntryExists: an entry is already stored under the id.
+            EntryTooLarge: the stored form is larger than :data:`MAX_VALUE_SIZE`.
+        """
         check_queue_id(entry.id)
         if entry.id in self._entries:
             raise EntryExists(entry.id)
@@ -124,7 +141,13 @@ class MemoryEntryStore:
         return rev
 
     async def get(self, queue_id: str) -> Versioned:
-        """See :meth:`EntryStore.get`."""
+        """See :meth:`EntryStore.get`.
+
+        Raises:
+            InvalidName: bad queue id.
+            EntryDeleted: no entry, and one under the id was deleted.
+            EntryNotFound: no entry was ever stored under the id.
+        """
         check_queue_id(queue_id)
         try:
             data, rev = self._entries[queue_id]
@@ -135,7 +158,13 @@ class MemoryEntryStore:
         return Versioned(Entry.from_json(data), rev)
 
     async def update(self, entry: Entry, revision: int) -> int:
-        """See :meth:`EntryStore.update`."""
+        """See :meth:`EntryStore.update`.
+
+        Raises:
+            InvalidName: bad queue id.
+            RevisionConflict: the entry is gone or no longer at ``revision``.
+            EntryTooLarge: the stored form is larger than :data:`MAX_VALUE_SIZE`.
+        """
         current = self._entries.get(check_queue_id(entry.id))
         if current is None or current[1] != revision:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
@@ -145,7 +174,12 @@ class MemoryEntryStore:
         return rev
 
     async def delete(self, queue_id: str, revision: int | None = None) -> None:
-        """See :meth:`EntryStore.delete`."""
+        """See :meth:`EntryStore.delete`.
+
+        Raises:
+            InvalidName: bad queue id.
+            RevisionConflict: ``revision`` given and the entry is gone or no longer at it.
+        """
         current = self._entries.get(check_queue_id(queue_id))
         if revision is not None and (current is None or current[1] != revision):
             raise RevisionConflict(f"entry {queue_id}: expected revision {revision}")

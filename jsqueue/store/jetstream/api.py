@@ -112,6 +112,8 @@ def translate(what: str) -> Iterator[None]:
 
     Raises:
         StoreUnavailable: the body raised one of :data:`NATS_FAILURES`.
+        unavailable: the StoreUnavailable above, as built by
+            :func:`~jsqueue.store.jetstream.api.unavailable`.
     """
     try:
         yield
@@ -148,6 +150,8 @@ async def api_request(nc: NATS, request: str, body: dict[str, Any] | None, timeo
         ApiError: the server answered with an error.
         StoreUnavailable: no answer within ``timeout_s``, the connection failed, or no
             responder (JetStream not enabled or not available).
+        unavailable: the StoreUnavailable above, as built by
+            :func:`~jsqueue.store.jetstream.api.unavailable`.
     """
     data = json.dumps(body).encode() if body is not None else b""
     try:
@@ -232,6 +236,8 @@ async def publish(
         nats.js.errors.APIError: the stream refused the message (not a temporary failure).
         StoreUnavailable: every attempt timed out or found no stream leader, or the
             connection failed.
+        unavailable: the StoreUnavailable above, as built by
+            :func:`~jsqueue.store.jetstream.api.unavailable`.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_s

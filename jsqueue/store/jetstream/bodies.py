@@ -107,7 +107,7 @@ class JetStreamBodyStore:
 
         Raises:
             BodyCorrupt: the meta record cannot be parsed.
-            StoreUnavailable.
+            StoreUnavailable: the read failed.
         """
         with translate(f"body {queue_id}: read meta"):
             try:
@@ -141,6 +141,17 @@ class JetStreamBodyStore:
         A ``fresh`` body's chunk set is named like its meta (``$O.<bucket>.C.<token>`` beside
         ``$O.<bucket>.M.<token>``), so :meth:`delete` purges both with one wildcard filter;
         any other gets a random chunk-set name, as the object store does.
+
+        Raises:
+            InvalidName: bad queue id.
+            StoreUnavailable: a chunk or the meta could not be stored (timeout, no stream
+                leader, connection failed); the chunks sent and a stored meta are removed.
+            unavailable: the StoreUnavailable above, as built by
+                :func:`~jsqueue.store.jetstream.api.unavailable`.
+            Exception: whatever ``chunks`` raises, re-raised unchanged once the chunks sent
+                are removed.
+            _SourceFailed: never out of this method: wraps an error of ``chunks`` on its
+                way to the cleanup, which re-raises the error itself.
         """
         check_queue_id(queue_id)
         self._opened.pop(queue_id, None)
@@ -237,7 +248,12 @@ class JetStreamBodyStore:
             await self.js.purge_stream(self.stream, subject=self.chunk_subject(old["nuid"]))
 
     async def _withdraw_meta(self, queue_id: str, meta_put: asyncio.Future[None]) -> None:
-        """A chunk failed after the meta was sent: remove the meta if it was stored."""
+        """A chunk failed after the meta was sent: remove the meta if it was stored.
+
+        Raises:
+            CancelledError: the task was cancelled while waiting for the meta write
+                (re-raised; nothing is taken back).
+        """
         try:
             await meta_put
         except asyncio.CancelledError:
@@ -265,6 +281,15 @@ class JetStreamBodyStore:
         With ``expect``, the chunks of a fresh body (:meth:`put`) are read without the
         meta record (one round trip less); when there are none under that name (a body
         stored otherwise, an empty one, or none at all) the meta is read as usual.
+
+        Raises:
+            InvalidName: bad queue id.
+            BodyNotFound: nothing stored under the id, or the body was deleted or replaced
+                while being read.
+            BodyCorrupt: the meta cannot be parsed or differs from ``expect``, a chunk is
+                missing or empty, or the bytes do not match the size and digest (raised
+                before the last chunk is yielded).
+            StoreUnavailable: reading the meta or a chunk failed.
         """
         check_queue_id(queue_id)
         first: api.RawStreamMsg | None = None
@@ -320,7 +345,14 @@ class JetStreamBodyStore:
     ) -> AsyncGenerator[bytes, None]:
         """The chunks of set ``nuid`` in order (``n_chunks`` of them, or None: until
         ``size`` octets arrived; ``first`` already fetched), the size and hex SHA-256
-        ``expected`` checked before the last one is yielded."""
+        ``expected`` checked before the last one is yielded.
+
+        Raises:
+            BodyNotFound: the body was deleted or replaced while being read.
+            BodyCorrupt: a chunk is missing or empty, or the size or digest is not
+                ``expected``.
+            StoreUnavailable: reading a chunk or the meta failed.
+        """
         subject = self.chunk_subject(nuid)
         digest = hashlib.sha256()
         seq = 1
@@ -353,7 +385,14 @@ class JetStreamBodyStore:
             yield held
 
     async def info(self, queue_id: str) -> BodyInfo:
-        """See :meth:`BodyStore.info`."""
+        """See :meth:`BodyStore.info`.
+
+        Raises:
+            InvalidName: bad queue id.
+            BodyNotFound: nothing stored under the id.
+            BodyCorrupt: the meta record cannot be parsed.
+            StoreUnavailable: the read failed.
+        """
         check_queue_id(queue_id)
         meta = await self.meta(queue_id)
         if meta is None:

@@ -113,8 +113,11 @@ class JetStreamEntryStore:
             the new revision.
 
         Raises:
-            _WrongRevision: the CAS failed.
-            StoreUnavailable.
+            _WrongRevision: the CAS failed (someone else wrote since ``last``).
+            StoreUnavailable: the publish timed out, found no stream leader or was refused
+                otherwise, or the connection failed.
+            unavailable: the StoreUnavailable above, as built by
+                :func:`~jsqueue.store.jetstream.api.unavailable`.
         """
         msg_id = f"{queue_id}:{uuid.uuid4().hex}"
         hdrs = {**headers, HDR_MSG_ID: msg_id}
@@ -148,7 +151,14 @@ class JetStreamEntryStore:
             raise StoreError(f"entry {queue_id}: stored value is not a valid entry: {e}") from e
 
     async def create(self, entry: Entry) -> int:
-        """See :meth:`EntryStore.create`."""
+        """See :meth:`EntryStore.create`.
+
+        Raises:
+            InvalidName: bad queue id.
+            EntryTooLarge: the stored form is larger than :attr:`max_value_size`.
+            EntryExists: an entry (not deleted) is already stored under the id.
+            StoreUnavailable: a read or the write failed.
+        """
         check_queue_id(entry.id)
         data = encode_entry(entry, self.max_value_size)
         try:
@@ -174,6 +184,13 @@ class JetStreamEntryStore:
         was just restarted and is catching up; measured), and a worker that took such an
         answer for "entry gone" would drop a work item for good (DESIGN.md §2.2). A stale
         *found* answer is harmless: its revision fails the compare-and-set.
+
+        Raises:
+            InvalidName: bad queue id.
+            EntryNotFound: no entry under the id (confirmed on the stream leader).
+            EntryDeleted: the key holds a delete marker (the entry was deleted lately).
+            StoreError: the stored value is not a valid entry.
+            StoreUnavailable: the read failed.
         """
         check_queue_id(queue_id)
         msg = await self._last(queue_id)
@@ -186,7 +203,14 @@ class JetStreamEntryStore:
         return self._decode(queue_id, msg)
 
     async def update(self, entry: Entry, revision: int) -> int:
-        """See :meth:`EntryStore.update`."""
+        """See :meth:`EntryStore.update`.
+
+        Raises:
+            InvalidName: bad queue id.
+            RevisionConflict: ``revision`` is below 1, or the key is no longer at it.
+            EntryTooLarge: the stored form is larger than :attr:`max_value_size`.
+            StoreUnavailable: the write failed.
+        """
         check_queue_id(entry.id)
         if revision < 1:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}")
@@ -198,7 +222,13 @@ class JetStreamEntryStore:
             raise RevisionConflict(f"entry {entry.id}: expected revision {revision}") from e
 
     async def delete(self, queue_id: str, revision: int | None = None) -> None:
-        """See :meth:`EntryStore.delete`. Leaves a purge marker that expires on its own."""
+        """See :meth:`EntryStore.delete`. Leaves a purge marker that expires on its own.
+
+        Raises:
+            InvalidName: bad queue id.
+            RevisionConflict: ``revision`` given and below 1, or the key is no longer at it.
+            StoreUnavailable: the write failed.
+        """
         check_queue_id(queue_id)
         if revision is not None and revision < 1:
             raise RevisionConflict(f"entry {queue_id}: expected revision {revision}")
@@ -213,7 +243,7 @@ class JetStreamEntryStore:
         sorted. One stream-info request per 100k keys; no consumer.
 
         Raises:
-            StoreUnavailable.
+            StoreUnavailable: no answer, or the server refused the request.
         """
         found = await stream_subjects(
             self._nc,

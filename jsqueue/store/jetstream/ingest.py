@@ -61,7 +61,15 @@ class JetStreamIngestLog:
 
     async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
         """See :meth:`IngestLog.claim`: a put expecting no record under ``key``; when one
-        is there, it is looked up, and replaced only if older than ``max_age_s``."""
+        is there, it is looked up, and replaced only if older than ``max_age_s``.
+
+        Raises:
+            InvalidName: bad key or queue id.
+            StoreUnavailable: the put was refused (other than for a record already there)
+                or failed, or the lookup or replacing write failed.
+            unavailable: the StoreUnavailable above, as built by
+                :func:`~jsqueue.store.jetstream.api.unavailable`.
+        """
         check_ingest_key(key)
         data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
         what = f"ingest {key[:12]}: claim"

@@ -148,7 +148,11 @@ class JetStreamInventory:
         return nuid if isinstance(nuid, str) else None
 
     async def delete_chunks(self, chunk_set: str) -> None:
-        """See :meth:`Inventory.delete_chunks`."""
+        """See :meth:`Inventory.delete_chunks`.
+
+        Raises:
+            StoreUnavailable: the purge failed (NATS error, timeout, socket).
+        """
         try:
             await self.bodies.js.purge_stream(
                 self.bodies.stream, subject=self.bodies.chunk_subject(chunk_set)

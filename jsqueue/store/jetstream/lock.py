@@ -82,7 +82,7 @@ class JetStreamLock:
 
         Raises:
             ProvisioningError: the server refused to create or update it.
-            StoreUnavailable.
+            StoreUnavailable: no answer, or the connection failed.
         """
         wanted = {
             "name": self.stream,
@@ -137,7 +137,12 @@ class JetStreamLock:
         return owner if isinstance(owner, str) else None
 
     async def _write(self, expected: int, *, release: bool = False) -> int | None:
-        """CAS-write our value (or a release marker); the new revision, None if refused."""
+        """CAS-write our value (or a release marker); the new revision, None if refused.
+
+        Raises:
+            StoreUnavailable: the server refused the write for another reason than a lost
+                compare-and-set, or the publish failed (NATS error, timeout, socket).
+        """
         headers = {HDR_EXPECTED_LAST_SUBJ_SEQ: str(expected), HDR_TTL: f"{self.ttl_s}s"}
         data = b""
         if release:

@@ -190,7 +190,14 @@ async def _ensure_stream(
     nc: NATS, wanted: dict[str, Any], timeout_s: float, *, disposable: bool = False
 ) -> None:
     """Create the stream, or update it to ``wanted``; a ``disposable`` stream (contents
-    that may be lost) whose update the server refuses is deleted and created anew."""
+    that may be lost) whose update the server refuses is deleted and created anew.
+
+    Raises:
+        ProvisioningError: the server refused to report, create, update or (disposable)
+            delete the stream, an update left settings unapplied, or the stream kept
+            changing for three rounds.
+        StoreUnavailable: no answer within the wait, or JetStream not enabled.
+    """
     name = wanted["name"]
     for _ in range(3):
         try:

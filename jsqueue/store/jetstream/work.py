@@ -94,6 +94,8 @@ class JetStreamDue:
 
         Raises:
             StoreUnavailable: the connection is closed.
+            unavailable: the StoreUnavailable above, as built by
+                :func:`~jsqueue.store.jetstream.api.unavailable`.
         """
         if self._settled:
             return
@@ -173,7 +175,9 @@ class JetStreamScheduler:
         ``Nats-Msg-Id``, so it is stored once.
 
         Raises:
-            InvalidName, StoreUnavailable; ValueError: ``at`` is naive.
+            InvalidName: the item's queue id or domain is not valid.
+            ValueError: ``at`` is naive.
+            StoreUnavailable: the publish was refused, or every try failed.
         """
         msg_id = self.names.work_msg_id(item.queue_id, item.domain, item.generation)
         await self._publish_item(item, at, msg_id)
@@ -218,6 +222,8 @@ class JetStreamScheduler:
 
         Raises:
             StoreUnavailable: the connection is closed or the consumer is gone.
+            unavailable: the StoreUnavailable above, as built by
+                :func:`~jsqueue.store.jetstream.api.unavailable`.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
