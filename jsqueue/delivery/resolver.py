@@ -19,7 +19,6 @@ from typing import Protocol
 import dns.asyncresolver
 import dns.exception
 import dns.message
-import dns.name
 import dns.rdatatype
 import dns.resolver
 import dns.rrset

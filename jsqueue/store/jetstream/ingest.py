@@ -93,6 +93,7 @@ class JetStreamIngestLog:
         Raises:
             InvalidName: bad key or queue id.
             StoreUnavailable: NATS unreachable or the request failed.
+            unavailable: the StoreUnavailable above, as built by :func:`.api.unavailable`.
         """
         check_ingest_key(key)
         check_queue_id(queue_id)
