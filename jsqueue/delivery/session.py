@@ -128,6 +128,8 @@ class OutboundSession:
         self.opened_at = 0.0
         # Set once the reply to the final "." was read on a connection still usable.
         self.reusable = False
+        # Accepted recipients whose final "." was sent without a usable reply to it.
+        self.uncertain: set[str] = set()
         if target.relay and settings.smarthost is not None:
             # The relay hop's TLS policy is keyed by the relay's name, not the destination.
             self.policy = settings.tls_policies.get(target.host.lower(), settings.tls)
@@ -157,6 +159,7 @@ class OutboundSession:
             tls_version=self.tls_version,
             dsn=self.dsn,
             converted_7bit=self.converted,
+            uncertain=frozenset(self.uncertain),
         )
 
     def _translate(self, exc: BaseException, stage: str) -> _Failed:
@@ -567,6 +570,7 @@ class OutboundSession:
         stuffer = DotStuffer()
         iterator = body.open()
         held = b""  # the latest stuffed chunk: the last one goes out with the terminator
+        dot_sent = False
         try:
             while True:
                 try:
@@ -589,16 +593,40 @@ class OutboundSession:
             # for a small message) and the reply awaited with no await in between, so the
             # reply cannot arrive before aiosmtplib expects it.
             protocol.write(held + stuffer.finish())
+            dot_sent = True
             response = await protocol.read_response(timeout=s.data_final_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             self._abort()
             failure = self._translate(e, "DATA")
-            return accepted_get(failure.reply)
+            if not dot_sent:
+                return accepted_get(failure.reply)
+            return self._uncertain(accepted, replies, failure.reply)
         finally:
             await aclose(iterator)
         reply = to_reply(response, self.host)
         self.reusable = reply.code != 421
         return accepted_get(reply)
+
+    def _uncertain(
+        self, accepted: list[str], replies: dict[str, Reply], failure: Reply
+    ) -> DeliveryResult:
+        """The final "." went out and no usable reply came back (connection lost, timeout,
+        unreadable reply): the next hop may have taken the message (RFC 5321 §4.5.3.2.6,
+        §6.1). The accepted recipients are deferred with ``failure`` and marked uncertain."""
+        log.warning(
+            "%s: no reply to the final dot (%s); outcome uncertain, the message may be "
+            "delivered twice",
+            self._where(),
+            failure,
+        )
+        detail = "after the final dot: the message may have been delivered"
+        reply = with_detail(failure, detail)
+        if not reply.is_temporary:
+            reply = with_detail(R451_PROTOCOL_ERROR, f"{failure}; {detail}")
+        for a in accepted:
+            replies[a] = reply
+        self.uncertain.update(accepted)
+        return self._result(replies)
 
     def _abort(self) -> None:
         """Drop the connection without the terminator: the server discards the message."""
