@@ -345,3 +345,27 @@ async def test_aiosmtplib_private_names_the_reply_guard_relies_on() -> None:
     protocol = GuardedProtocol(loop=asyncio.get_running_loop())
     for name in ("_buffer", "_response_waiter", "_response_pending"):
         assert hasattr(protocol, name), name
+
+
+async def test_worker_never_bounces_for_a_shifted_reply(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """End to end: the MX answers the first RCPT of its first connection with two lines (an
+    extra 550). The worker records every recipient delivered in the one attempt (on a fresh
+    connection): no bounced event, no DSN, and the log names the desynchronised reply."""
+    caplog.set_level(logging.INFO, logger="jsqueue")
+    h = queue_harness
+    domain = "sync.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.29"))
+    rcpts = [f"{x}@{domain}" for x in "abc"]
+    hook = first_session("RCPT", two_lines_to_first_rcpt)
+    async with ScriptedMx("127.0.2.29", h.mx_port, hook=hook) as mx:
+        hook.mx = mx  # type: ignore[attr-defined]
+        qid = await h.submit(b"Subject: sync\r\n\r\nbody\r\n", rcpts)
+        seen = _Events()
+        async with h.running(h.worker(observer=seen)):
+            await eventually(lambda: gone(h, qid), what="every recipient delivered")
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts]
+    assert {e.kind for e in seen.events} == {EventKind.DELIVERED}
+    assert sorted(e.recipient or "" for e in seen.events) == rcpts
+    assert any(DESYNC in r.getMessage() for r in caplog.records)
