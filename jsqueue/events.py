@@ -34,7 +34,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -100,6 +107,10 @@ class Event(BaseModel):
             the KV entry (``smtp.inline_body_max``), False when it is in the object store.
         source: who changed the state: ``frontend``, ``worker:<owner>`` or ``admin``.
         detail: free text, e.g. why an admin action did what it did.
+        uncertain: attempt outcomes only: True when the final ``.`` of DATA was sent and no
+            usable reply came back (connection lost, timeout; RFC 5321 §4.5.3.2.6, §6.1):
+            the recipient is retried, yet the next hop may have the message already, so it
+            may be delivered twice. None otherwise.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -121,6 +132,7 @@ class Event(BaseModel):
     body_inline: bool | None = None
     source: str | None = None
     detail: str | None = None
+    uncertain: bool | None = None
 
     def to_json(self) -> bytes:
         """UTF-8 JSON without null fields (the published payload)."""
@@ -160,11 +172,13 @@ def recipient_event(
     duration_s: float | None = None,
     detail: str | None = None,
     reply: Reply | None = None,
+    uncertain: bool | None = None,
 ) -> Event:
     """A recipient-level event (delivered, deferred, bounced, expired) from the stored
     recipient: its state, reply, attempts and next attempt after the change. ``reply``
     replaces the stored reply (which an entry keeps bounded, :meth:`Reply.bounded`) by the
-    whole one the attempt got."""
+    whole one the attempt got; ``uncertain`` marks an outcome after a final ``.`` whose
+    reply never came (see :attr:`Event.uncertain`)."""
     return Event(
         kind=kind,
         at=at or utcnow(),
@@ -179,6 +193,7 @@ def recipient_event(
         reverse_path=entry.reverse_path,
         source=source,
         detail=detail,
+        uncertain=uncertain,
     )
 
 
@@ -533,16 +548,25 @@ def attempt_events(
     at: datetime,
     duration_s: float | None,
     replies: Mapping[str, Reply] | None = None,
+    uncertain: Collection[str] = (),
 ) -> list[Event]:
     """The events of one recorded delivery attempt, one per recipient (worker helper).
 
     ``replies`` are the attempt's replies by address, whole: an event carries them instead
-    of the bounded ones the entry keeps (:meth:`Reply.bounded`).
+    of the bounded ones the entry keeps (:meth:`Reply.bounded`). The events of the
+    addresses in ``uncertain`` carry ``uncertain=True`` (RFC 5321 §6.1).
     """
     whole = replies or {}
     return [
         recipient_event(
-            kind, entry, r, source=source, at=at, duration_s=duration_s, reply=whole.get(r.address)
+            kind,
+            entry,
+            r,
+            source=source,
+            at=at,
+            duration_s=duration_s,
+            reply=whole.get(r.address),
+            uncertain=True if r.address in uncertain else None,
         )
         for kind, rcpts in groups
         for r in rcpts

@@ -24,6 +24,11 @@ jsqueue_smtp_rejections_total{code}        counter    4yz/5yz replies of the SMT
 jsqueue_delivery_attempts_total{outcome}   counter    recipient delivery attempts by outcome
                                                       (delivered, deferred, bounced, expired)
 jsqueue_delivery_duration_seconds{outcome} histogram  duration of the SMTP attempt, per recipient
+jsqueue_delivery_uncertain_total           counter    recipient attempts (also counted above, as
+                                                      deferred) whose final ``.`` was sent and
+                                                      no reply came back: perhaps delivered
+                                                      already, may be delivered twice
+                                                      (RFC 5321 §6.1; events ``uncertain``)
 jsqueue_state_changes_total{kind}          counter    every event this process emitted, by kind
 jsqueue_entry_too_large_total              counter    entries the entry store refused as too large
                                                       after an attempt: recorded with the replies
@@ -136,6 +141,12 @@ class Metrics:
             buckets=DURATION_BUCKETS_S,
             registry=r,
         )
+        self.uncertain = Counter(
+            "jsqueue_delivery_uncertain",
+            "Recipient attempts whose final dot was sent and no reply came back (perhaps "
+            "delivered already; may be delivered twice).",
+            registry=r,
+        )
         self.state_changes = Counter(
             "jsqueue_state_changes",
             "Events emitted by this process, by kind.",
@@ -190,6 +201,8 @@ class Metrics:
         elif event.kind in _ATTEMPT_OUTCOMES and event.duration_s is not None:
             self.attempts.labels(event.kind.value).inc()
             self.duration.labels(event.kind.value).observe(max(0.0, event.duration_s))
+            if event.uncertain:
+                self.uncertain.inc()
 
     def set_depth(self, counts: dict[EntryState, int], took_s: float) -> None:
         """Record a depth scan: entries per state (missing states are 0)."""

@@ -527,7 +527,9 @@ class Worker:
         """One line per recipient, and (with ``events``) one event: the attempt's whole
         reply (the entry keeps it bounded). ``mx=`` is the host whose reply was recorded,
         else the host the attempt tried, else ``-`` (no host reached, e.g. a DNS failure);
-        the JSON field ``mx`` is null in that last case."""
+        the JSON field ``mx`` is null in that last case. A recipient whose final ``.`` went
+        out without a reply (``delivery.uncertain``) is logged ``uncertain=yes`` and its
+        event carries ``uncertain: true`` (RFC 5321 §6.1: it may be delivered twice)."""
         tried = delivery.host
         took = (now - started).total_seconds()
         age = (now - entry.created_at).total_seconds()
@@ -542,9 +544,10 @@ class Worker:
             for r in rcpts:
                 reply = delivery.replies.get(r.address) or r.last_reply
                 mx = (reply.remote_host if reply else None) or tried
+                uncertain = r.address in delivery.uncertain
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "took=%.3fs delay=%.0fs next=%s",
+                    "took=%.3fs delay=%.0fs next=%s%s",
                     entry.id,
                     r.address,
                     domain,
@@ -555,6 +558,8 @@ class Worker:
                     took,
                     age,
                     r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
+                    # RFC 5321 §6.1: the final "." went out, no reply came back
+                    " uncertain=yes (may be delivered twice)" if uncertain else "",
                     extra={
                         "queue_id": entry.id,
                         "recipient": r.address,
@@ -566,6 +571,7 @@ class Worker:
                         "took_s": round(took, 3),
                         "delay_s": round(age, 3),
                         "next_attempt_at": r.next_attempt_at,
+                        "uncertain": uncertain,
                     },
                 )
         if not events:
@@ -577,6 +583,7 @@ class Worker:
             at=now,
             duration_s=took,
             replies=delivery.replies,
+            uncertain=delivery.uncertain,
         ):
             self.observer.emit(event)
 

@@ -21,7 +21,6 @@ from jsqueue.frontend.auth import ScryptHash, UserDB, hash_password
 from jsqueue.frontend.data import DataDecoder
 from jsqueue.frontend.ingest import ingest_key
 from jsqueue.frontend.received import received_header
-from jsqueue.frontend.session import with_enhanced_code
 from jsqueue.frontend.syntax import (
     SyntaxProblem,
     parse_envid,
@@ -34,6 +33,7 @@ from jsqueue.frontend.syntax import (
     xtext_decode,
     xtext_encode,
 )
+from jsqueue.frontend.wire import with_enhanced_code
 from jsqueue.store.memory import MemoryIngestLog
 from support.cases import CASES, case_file
 from support.frontend import dot_stuff

@@ -98,6 +98,10 @@ class DeliveryResult:
         dsn: the server advertised DSN, so NOTIFY/ORCPT/RET/ENVID were passed on (else a
             NOTIFY=SUCCESS recipient is owed a "relayed" DSN, RFC 3461 §4.1).
         converted_7bit: the body was converted to 7-bit MIME for this server.
+        uncertain: addresses whose outcome is unknown: the final ``.`` of DATA was sent
+            and then the connection died, the reply timed out or could not be read
+            (RFC 5321 §4.5.3.2.6, §6.1). They carry a 4yz reply (retried), yet the next
+            hop may have taken the message: it may be delivered twice.
     """
 
     replies: dict[str, Reply]
@@ -108,6 +112,7 @@ class DeliveryResult:
     tls_version: str | None = None
     dsn: bool = False
     converted_7bit: bool = False
+    uncertain: frozenset[str] = frozenset()
 
     @property
     def delivered(self) -> list[str]:
@@ -135,10 +140,14 @@ class Attempt:
         host: the host name last connected to or tried (MX, implicit MX, address literal or
             smarthost), also when it did not answer; None when no connection was tried
             (e.g. the MX lookup failed). Logged as ``mx=`` for replies jsqueue synthesised.
+        uncertain: addresses whose 4yz reply follows a final ``.`` that may have reached
+            the next hop (see :attr:`DeliveryResult.uncertain`): logged ``uncertain=yes``,
+            their events carry ``uncertain: true``.
     """
 
     replies: Mapping[str, Reply]
     host: str | None = None
+    uncertain: frozenset[str] = frozenset()
 
 
 class Deliverer(Protocol):

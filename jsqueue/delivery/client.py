@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
@@ -90,7 +91,7 @@ async def deliver(
         while True:
             session = OutboundSession(target, envelope, recipients, body_cache, settings, allow_tls)
             try:
-                return await session.run(cache)
+                result = await session.run(cache)
             except TlsFallback as e:
                 log.warning(
                     "%s [%s]: STARTTLS failed (%s); retrying in plaintext (opportunistic TLS)",
@@ -99,6 +100,7 @@ async def deliver(
                     e,
                 )
                 allow_tls = False
+                continue
             except NextMx as e:
                 log.info(
                     "%s [%s]: %s; trying the next %s",
@@ -109,6 +111,44 @@ async def deliver(
                 )
                 last = e.reply
                 break
+            return await _rest(result, session, cache)
     failed = last or with_detail(R451_CONNECT_FAILED, "no mail exchanger answered")
     tried = targets[-1].host
     return DeliveryResult(replies={r.address: failed for r in recipients}, tried_host=tried)
+
+
+async def _rest(
+    result: DeliveryResult, session: OutboundSession, cache: ConnectionCache | None
+) -> DeliveryResult:
+    """Recipients a recipient limit left over (RFC 5321 §4.5.3.1.10) after their session
+    ended go at once in a new session to the same target, while each session accepts
+    someone (each leaves fewer); so do those of a transaction whose replies got out of sync
+    (a fresh connection, once). A follow-up session that fails before accepting anyone
+    leaves them with their temporary reply (the limit's, or ``4.5.0``)."""
+    while session.carry:
+        pending = session.carry
+        log.info(
+            "%s: %d recipient(s) over the recipient limit; new session",
+            session.where(),
+            len(pending),
+        )
+        session = OutboundSession(
+            session.target,
+            session.envelope,
+            pending,
+            session.body,
+            session.settings,
+            session.allow_tls,
+            fresh=session.desynced,
+        )
+        try:
+            more = await session.run(cache)
+        except (NextMx, TlsFallback) as e:
+            log.info("%s: follow-up session failed: %s", session.where(), e)
+            break
+        result = replace(
+            result,
+            replies={**result.replies, **more.replies},
+            uncertain=result.uncertain | more.uncertain,
+        )
+    return result

@@ -157,3 +157,14 @@ class ConnectionCache:
         self._idle.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def abort_connection(smtp: aiosmtplib.SMTP | None) -> None:
+    """Drop the connection at once, without the DATA terminator or QUIT: the server discards
+    a message whose final dot it never got (RFC 5321 §4.1.1.4). Idempotent; never raises."""
+    if smtp is None:
+        return
+    transport = smtp.transport
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.abort()
+    smtp.close()

@@ -51,7 +51,7 @@ class SmtpDeliverer:
         result = await deliver_domain(
             self.resolver, envelope, body, self.settings, self.connections
         )
-        return Attempt(result.replies, result.tried_host)
+        return Attempt(result.replies, result.tried_host, result.uncertain)
 
     async def close(self) -> None:
         """QUIT the cached sessions. Idempotent."""

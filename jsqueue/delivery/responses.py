@@ -1,7 +1,8 @@
 """SMTP replies as the delivery client records them: an aiosmtplib response turned into a
 :class:`~jsqueue.replies.Reply` (:func:`to_reply`, RFC 5321 §4.2, RFC 3463 enhanced codes)
 and the synthesised replies of a failed hop, with a detail and worded for the smarthost when
-the hop is one (:func:`hop_reply`).
+the hop is one (:func:`hop_reply`); and the server's limit of recipients per transaction
+(:func:`too_many_recipients`, :func:`limit_reply`, RFC 5321 §4.5.3.1.10).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from jsqueue.replies import (
     R451_SMARTHOST_CONNECTION_LOST,
     R451_SMARTHOST_TIMEOUT,
     R451_TIMEOUT,
+    R452_TOO_MANY_RECIPIENTS,
     Reply,
 )
 
-__all__ = ["hop_reply", "to_reply", "with_detail"]
+__all__ = ["hop_reply", "limit_reply", "to_reply", "too_many_recipients", "with_detail"]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?=\s|$)")
 
@@ -88,3 +90,25 @@ def to_reply(
             line[len(enhanced) :].lstrip() if line.startswith(enhanced) else line for line in lines
         ]
     return Reply(code=code, enhanced=enhanced, text="\n".join(lines), remote_host=remote_host)
+
+
+def too_many_recipients(reply: Reply) -> bool:
+    """Whether an RCPT reply is the server's limit of recipients per transaction (RFC 5321
+    §4.5.3.1.10): ``452``, an enhanced ``X.5.3`` (RFC 3463 §3.6), or ``552`` saying "too many
+    recipients" (which the client SHOULD treat as temporary). A ``552 5.2.2`` mailbox full
+    is not one. Pure."""
+    if reply.code == 452:
+        return True
+    if reply.enhanced is not None and reply.enhanced[1:] == ".5.3" and not reply.is_success:
+        return True
+    return reply.code == 552 and "too many recipients" in reply.text.lower()
+
+
+def limit_reply(reply: Reply, remote_host: str | None) -> Reply:
+    """A recipient-limit reply (:func:`too_many_recipients`) as recorded: always temporary;
+    a 552 becomes ``452 4.5.3`` with the server's reply in the text (RFC 5321
+    §4.5.3.1.10: clients SHOULD treat it as temporary). Pure."""
+    if reply.is_temporary:
+        return reply
+    text = f"{R452_TOO_MANY_RECIPIENTS.text} ({reply})"
+    return R452_TOO_MANY_RECIPIENTS.model_copy(update={"text": text, "remote_host": remote_host})

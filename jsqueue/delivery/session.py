@@ -7,7 +7,6 @@ errors become replies here. :mod:`jsqueue.delivery.client` runs one per target i
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import ssl
@@ -19,10 +18,25 @@ from aiosmtplib import SMTPResponse
 from jsqueue.config import TlsPolicy, WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache, aclose
-from jsqueue.delivery.connections import CacheKey, ConnectionCache, IdleSession, quit_smtp
+from jsqueue.delivery.connections import (
+    CacheKey,
+    ConnectionCache,
+    IdleSession,
+    abort_connection,
+    quit_smtp,
+)
 from jsqueue.delivery.params import notify_param, orcpt_param, size_limit, smtp_path, xtext
 from jsqueue.delivery.resolver import MxTarget
-from jsqueue.delivery.responses import hop_reply, to_reply, with_detail
+from jsqueue.delivery.responses import (
+    hop_reply,
+    limit_reply,
+    to_reply,
+    too_many_recipients,
+    with_detail,
+)
+from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback, literal_like
+from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync
+from jsqueue.delivery.tls import client_context
 from jsqueue.delivery.transform import ConversionError, DotStuffer
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
@@ -46,52 +60,6 @@ __all__ = ["NextMx", "OutboundSession", "TlsFallback"]
 log = logging.getLogger(__name__)
 
 
-class NextMx(Exception):
-    """This target failed before any recipient was accepted: try the next one (RFC 5321
-    §5.1). A signal from :class:`OutboundSession` to :func:`~jsqueue.delivery.client.deliver`,
-    never raised out of the package.
-
-    Attributes:
-        reply: the synthesised (or remote) reply that explains the failure; every recipient
-            gets the last one when no target is left.
-    """
-
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(str(reply))
-        self.reply = reply
-
-
-class TlsFallback(Exception):
-    """Opportunistic STARTTLS failed in the handshake: reconnect to the same address in
-    plaintext (RFC 7435). A signal to :func:`~jsqueue.delivery.client.deliver`, never raised
-    out of the package."""
-
-
-class _Failed(Exception):
-    """A library call failed; carries the synthesised reply."""
-
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(str(reply))
-        self.reply = reply
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def _literal_like(host: str) -> bool:
-    if host.startswith("["):
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 class OutboundSession:
     """One outbound SMTP connection to one target, for one transaction (package-internal).
 
@@ -102,6 +70,8 @@ class OutboundSession:
         body: the attempt's body (shared by its sessions).
         settings: timeouts (seconds), TLS policies, EHLO name, MX port, smarthost AUTH.
         allow_tls: False after an opportunistic STARTTLS failed on this address.
+        fresh: this session retries recipients after a desynchronised reply: it takes no
+            cached connection, and a second desynchronisation defers them (4.5.0).
     """
 
     def __init__(
@@ -112,8 +82,11 @@ class OutboundSession:
         body: BodyCache,
         settings: WorkerSettings,
         allow_tls: bool,
+        fresh: bool = False,
     ) -> None:
         self.target = target
+        self.fresh = fresh
+        self.desynced = False  # a desynchronised reply left carry for a fresh connection
         self.host = target.host
         self.envelope = envelope
         self.recipients = recipients
@@ -128,6 +101,9 @@ class OutboundSession:
         self.opened_at = 0.0
         # Set once the reply to the final "." was read on a connection still usable.
         self.reusable = False
+        self.uncertain: set[str] = set()  # accepted; final "." sent, no usable reply
+        # Recipients a recipient limit left for a further transaction (RFC 5321 §4.5.3.1.10).
+        self.carry: list[Recipient] = []
         if target.relay and settings.smarthost is not None:
             # The relay hop's TLS policy is keyed by the relay's name, not the destination.
             self.policy = settings.tls_policies.get(target.host.lower(), settings.tls)
@@ -136,7 +112,7 @@ class OutboundSession:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _where(self) -> str:
+    def where(self) -> str:
         """``host [address]`` for logs and reply texts; ``host [address]:port`` for a target
         with its own port (the smarthost)."""
         where = f"{self.host} [{self.target.address}]"
@@ -157,31 +133,34 @@ class OutboundSession:
             tls_version=self.tls_version,
             dsn=self.dsn,
             converted_7bit=self.converted,
+            uncertain=frozenset(self.uncertain),
         )
 
-    def _translate(self, exc: BaseException, stage: str) -> _Failed:
-        where = self._where()
-        if isinstance(exc, _Failed):
+    def _translate(self, exc: BaseException, stage: str) -> Failed:
+        where = self.where()
+        if isinstance(exc, Failed):
             return exc
         if isinstance(exc, TimeoutError | aiosmtplib.SMTPTimeoutError):
-            return _Failed(self._fail(R451_TIMEOUT, f"{where}: {stage}: timed out"))
+            return Failed(self._fail(R451_TIMEOUT, f"{where}: {stage}: timed out"))
         if isinstance(exc, aiosmtplib.SMTPServerDisconnected | ConnectionError):
-            return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc}"))
+            return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc}"))
         if isinstance(exc, ssl.SSLError):
-            return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
+            return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
         if isinstance(exc, aiosmtplib.SMTPResponseException):
             if exc.code < 0:  # aiosmtplib could not parse the reply (e.g. CASE-19 variant M)
-                return _Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
-            return _Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
+                return Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
+            return Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
         if isinstance(exc, aiosmtplib.SMTPException | ValueError):
-            return _Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc}"))
-        return _Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc!r}"))
+            return Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc}"))
+        return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc!r}"))
 
     async def _command(
         self, stage: str, timeout_s: float, *args: bytes, intermediate_ok: bool = False
     ) -> Reply:
-        """Send one command; library failures raise :class:`_Failed` with the reply."""
+        """Send one command once the connection is in sync (:func:`check_sync` raises
+        :class:`Desync`); library failures raise :class:`Failed` with the reply."""
         assert self.smtp is not None
+        await check_sync(self.smtp, stage)
         try:
             response = await self.smtp.execute_command(*args, timeout=timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
@@ -197,7 +176,7 @@ class OutboundSession:
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as e:
-            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
+            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{self.where()}: {e}")) from e
         try:
             sock.setblocking(False)
             # asyncio only disables Nagle itself for sockets made with proto=IPPROTO_TCP.
@@ -212,7 +191,7 @@ class OutboundSession:
             where = f"{self.host} [{address}]:{port}"
             raise NextMx(self._fail(R451_CONNECT_FAILED, f"{where}: {reason}")) from e
         try:
-            self.smtp = aiosmtplib.SMTP(
+            self.smtp = GuardedSMTP(
                 sock=sock,
                 local_hostname=s.ehlo_name,
                 timeout=s.greeting_timeout_s,
@@ -221,7 +200,7 @@ class OutboundSession:
             )
         except ValueError as e:  # e.g. an EHLO name with white space
             sock.close()
-            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{self._where()}: {e}")) from e
+            raise NextMx(self._fail(R451_CONNECT_FAILED, f"{self.where()}: {e}")) from e
         try:
             greeting = await self.smtp.connect()
         except aiosmtplib.SMTPConnectResponseError as e:
@@ -230,14 +209,14 @@ class OutboundSession:
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             raise NextMx(self._translate(e, "greeting").reply) from e
         self.opened_at = loop.time()
-        log.debug("%s: greeting %s", self._where(), greeting)
+        log.debug("%s: greeting %s", self.where(), greeting)
 
     def _as_temporary(self, reply: Reply, stage: str) -> Reply:
         """A session-level refusal (greeting, EHLO) is retried later, never a bounce."""
         if reply.is_temporary:
             return reply
         return self._fail(
-            R451_CONNECT_FAILED, f"{self._where()} refused the session at {stage}: {reply}"
+            R451_CONNECT_FAILED, f"{self.where()} refused the session at {stage}: {reply}"
         )
 
     async def _hello(self) -> dict[str, str]:
@@ -274,25 +253,15 @@ class OutboundSession:
         Raises:
             NextMx: the command failed (SMTP error, timeout, lost connection, unparsable
                 reply); carries the synthesised reply.
+            Desync: data out of sync with the commands (RFC 5321 §4.2; see :mod:`.sync`).
         """
         assert self.smtp is not None
+        await check_sync(self.smtp, stage)
         try:
             response = await self.smtp.execute_command(*args, timeout=timeout_s)
             return response, to_reply(response, self.host)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             raise NextMx(self._translate(e, stage).reply) from e
-
-    def _tls_context(self) -> ssl.SSLContext:
-        if self.policy is TlsPolicy.VERIFY:
-            ca = self.settings.tls_ca_file
-            ctx = ssl.create_default_context(cafile=str(ca) if ca else None)
-        else:
-            # RFC 7435: opportunistic (and "required" without verification) encrypts
-            # against passive listeners only; any certificate is accepted.
-            ctx = ssl.create_default_context()
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        return ctx
 
     async def _starttls(self, extensions: dict[str, str]) -> dict[str, str]:
         """STARTTLS per policy; returns the extensions to use afterwards.
@@ -312,16 +281,17 @@ class OutboundSession:
         if "starttls" not in extensions:
             if required:
                 raise NextMx(
-                    with_detail(R451_TLS_REQUIRED, f"{self._where()}: STARTTLS not offered")
+                    with_detail(R451_TLS_REQUIRED, f"{self.where()}: STARTTLS not offered")
                 )
             return extensions
-        sni = None if _literal_like(self.host) else self.host
+        sni = None if literal_like(self.host) else self.host
         if policy is TlsPolicy.VERIFY and sni is None:
-            raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self._where()}: no name to verify"))
+            raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self.where()}: no name to verify"))
+        await check_sync(self.smtp, "STARTTLS")
         try:
             await self.smtp.starttls(
                 server_hostname=sni,
-                tls_context=self._tls_context(),
+                tls_context=client_context(self.policy, self.settings.tls_ca_file),
                 timeout=self.settings.mail_timeout_s,
             )
         except aiosmtplib.SMTPResponseException as e:
@@ -329,17 +299,13 @@ class OutboundSession:
             if e.code == 421 or required or not self.smtp.is_connected:
                 reason = f"STARTTLS refused: {e.code} {e.message}"
                 base = R451_TLS_REQUIRED if required else R451_CONNECTION_LOST
-                raise NextMx(self._fail(base, f"{self._where()}: {reason}")) from e
-            log.warning(
-                "%s: STARTTLS refused (%s %s); continuing in plaintext",
-                self._where(),
-                e.code,
-                e.message,
-            )
+                raise NextMx(self._fail(base, f"{self.where()}: {reason}")) from e
+            refused = f"{e.code} {e.message}"
+            log.warning("%s: STARTTLS refused (%s); continuing in plaintext", self.where(), refused)
             return extensions
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             if required:
-                raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self._where()}: {e}")) from e
+                raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self.where()}: {e}")) from e
             raise TlsFallback(str(e) or type(e).__name__) from e
         self.tls = True
         ssl_object = self.smtp.get_transport_info("ssl_object")
@@ -352,23 +318,24 @@ class OutboundSession:
         if not (self.target.relay and smarthost and smarthost.username):
             return
         assert self.smtp is not None
-        if not self.tls and not _is_loopback(self.target.address):
+        if not self.tls and not is_loopback(self.target.address):
             raise NextMx(
                 with_detail(
-                    R451_AUTH_FAILED, f"{self._where()}: refusing to send credentials without TLS"
+                    R451_AUTH_FAILED, f"{self.where()}: refusing to send credentials without TLS"
                 )
             )
         password = smarthost.password.get_secret_value() if smarthost.password else ""
+        await check_sync(self.smtp, "AUTH")
         try:
             await self.smtp.login(
                 smarthost.username, password, timeout=self.settings.mail_timeout_s
             )
         except aiosmtplib.SMTPAuthenticationError as e:
             raise NextMx(
-                with_detail(R451_AUTH_FAILED, f"{self._where()}: {e.code} {e.message}")
+                with_detail(R451_AUTH_FAILED, f"{self.where()}: {e.code} {e.message}")
             ) from e
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
-            raise NextMx(with_detail(R451_AUTH_FAILED, f"{self._where()}: {e}")) from e
+            raise NextMx(with_detail(R451_AUTH_FAILED, f"{self.where()}: {e}")) from e
 
     # -- the session ---------------------------------------------------------------------
 
@@ -393,17 +360,17 @@ class OutboundSession:
             NextMx: this target failed before any recipient was accepted.
             TlsFallback: opportunistic STARTTLS failed; retry the address in plaintext.
         """
-        if cache is not None:
+        if cache is not None and not self.fresh:
             idle = cache.take(self._cache_key())
             if idle is not None:
                 self.smtp, self.tls, self.tls_version = idle.smtp, idle.tls, idle.tls_version
                 self.opened_at = idle.opened_at
                 try:
-                    result = await self._transaction(idle.extensions)
+                    result = await self._transactions(idle.extensions)
                 except NextMx as e:
                     # Closed while idle (EOF, 421 ...): not this target's fault, and no
                     # recipient was accepted. Go on with a new connection.
-                    log.debug("%s: cached session unusable (%s); reconnecting", self._where(), e)
+                    log.debug("%s: cached session unusable (%s); reconnecting", self.where(), e)
                     await self._quit()
                     self.smtp, self.tls, self.tls_version = None, False, None
                 else:
@@ -415,7 +382,12 @@ class OutboundSession:
             extensions = await self._hello()
             extensions = await self._starttls(extensions)
             await self._auth()
-            result = await self._transaction(extensions)
+            result = await self._transactions(extensions)
+        except Desync as e:  # before any transaction (greeting, EHLO, STARTTLS, AUTH)
+            replies: dict[str, Reply] = {}
+            self._desynced(e, self.recipients, replies)
+            await self._quit()
+            return self._result(replies)
         except BaseException:
             await self._quit()
             raise
@@ -435,19 +407,81 @@ class OutboundSession:
     async def _quit(self) -> None:
         smtp, self.smtp = self.smtp, None
         if smtp is not None:
-            await quit_smtp(smtp, self._where())
+            await quit_smtp(smtp, self.where())
 
-    async def _transaction(self, extensions: dict[str, str]) -> DeliveryResult:
+    async def _transactions(self, extensions: dict[str, str]) -> DeliveryResult:
+        """One transaction for the recipients, then one more on this connection for those
+        a recipient limit left over (RFC 5321 §4.5.3.1.10), while each accepts someone and
+        the connection stays usable; what is left then is in :attr:`carry`.
+
+        Raises:
+            NextMx: the first transaction failed before any recipient was accepted.
+        """
+        try:
+            result = await self._transaction(extensions, self.recipients)
+        except Desync as e:
+            replies: dict[str, Reply] = {}
+            self._desynced(e, self.recipients, replies)
+            return self._result(replies)
+        replies = dict(result.replies)
+        while self.carry and self.reusable and self.smtp is not None and self.smtp.is_connected:
+            pending, self.carry, self.reusable = self.carry, [], False
+            log.info(
+                "%s: recipient limit; %d recipient(s) in a further transaction",
+                self.where(),
+                len(pending),
+            )
+            try:
+                more = await self._transaction(extensions, pending)
+            except Desync as e:
+                self._desynced(e, pending, replies)
+                break
+            except NextMx as e:
+                # The connection failed before this one accepted anyone (e.g. closed after
+                # the data): earlier transactions stand, these go in a new session.
+                log.info("%s: %s; recipients left for a new session", self.where(), e.reply)
+                self.carry, self.reusable = pending, False
+                break
+            replies.update(more.replies)
+        return self._result(replies)
+
+    def _desynced(self, e: Desync, pending: list[Recipient], replies: dict[str, Reply]) -> None:
+        """A reply out of sync in the transaction of ``pending``: drop the connection;
+        none of its replies count except ``e.replies`` (uncertain ones after a final dot).
+        The rest are offered again on a fresh connection (:attr:`carry`), or, when this is
+        that fresh connection, deferred with ``4.5.0``; ``replies`` gets their 4.5.0 in
+        either case (kept when the fresh connection cannot be had)."""
+        log.warning(
+            "%s: desynchronised reply detected before %s (unexpected %r); dropping the "
+            "connection%s",
+            self.where(),
+            e.stage,
+            e.data,
+            "" if self.fresh else ", retrying on a fresh one",
+        )
+        abort_connection(self.smtp)
+        self.reusable = False
+        replies.update(e.replies)
+        rest = [r for r in pending if r.address not in e.replies]
+        detail = f"{self.where()}: desynchronised reply before {e.stage}"
+        for r in rest:
+            replies[r.address] = with_detail(R451_PROTOCOL_ERROR, detail)
+        if not self.fresh and rest:
+            self.carry, self.desynced = rest, True
+
+    async def _transaction(
+        self, extensions: dict[str, str], recipients: list[Recipient]
+    ) -> DeliveryResult:
         env = self.envelope
         replies: dict[str, Reply] = {}
         server_utf8 = "smtputf8" in extensions
         needs_utf8 = (
             env.smtputf8
             or not env.reverse_path.isascii()
-            or any(not r.address.isascii() for r in self.recipients)
+            or any(not r.address.isascii() for r in recipients)
         )
         use_utf8 = server_utf8 and needs_utf8
-        everyone = [r.address for r in self.recipients]
+        everyone = [r.address for r in recipients]
 
         def all_get(reply: Reply, addresses: Iterable[str] = everyone) -> DeliveryResult:
             for a in addresses:
@@ -465,7 +499,7 @@ class OutboundSession:
                 with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8; UTF-8 in the header")
             )
         paths: dict[str, str] = {}
-        for r in self.recipients:
+        for r in recipients:
             p = smtp_path(r.address, use_utf8)
             if p is None:
                 replies[r.address] = with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8")
@@ -516,7 +550,7 @@ class OutboundSession:
             mail = await self._command(
                 "MAIL", self.settings.mail_timeout_s, b"MAIL", mail_arg, *params
             )
-        except _Failed as e:
+        except Failed as e:
             if isinstance(e.__cause__, ValueError):
                 return all_get(with_detail(R501_BAD_REVERSE_PATH, str(e.__cause__)), paths)
             raise NextMx(e.reply) from e
@@ -526,9 +560,11 @@ class OutboundSession:
             return all_get(mail, paths)
 
         accepted: list[str] = []
-        for address, path in paths.items():
+        by_address = {r.address: r for r in recipients}
+        offered = list(paths.items())
+        for index, (address, path) in enumerate(offered):
             rcpt_params: list[bytes] = []
-            recipient = next(r for r in self.recipients if r.address == address)
+            recipient = by_address[address]
             if self.dsn:
                 if recipient.notify:
                     rcpt_params.append(f"NOTIFY={notify_param(recipient.notify)}".encode())
@@ -542,7 +578,7 @@ class OutboundSession:
                     f"TO:<{path}>".encode(encoding),
                     *rcpt_params,
                 )
-            except _Failed as e:
+            except Failed as e:
                 if isinstance(e.__cause__, ValueError):
                     replies[address] = with_detail(R501_BAD_FORWARD_PATH, str(e.__cause__))
                     continue
@@ -553,10 +589,21 @@ class OutboundSession:
                 if not accepted:
                     raise NextMx(reply)
                 return all_get(reply, [a for a in paths if a in accepted or a not in replies])
+            if too_many_recipients(reply):
+                # RFC 5321 §4.5.3.1.10: 452 (or 552 "too many recipients", to be treated
+                # as temporary) is the server's recipient limit, never a bounce.
+                reply = limit_reply(reply, self.host)
+                if accepted:
+                    # The limit is reached: the rest go in a further transaction.
+                    self.carry = [by_address[a] for a, _ in offered[index:]]
+                    for a, _ in offered[index:]:
+                        replies[a] = reply
+                    break
             replies[address] = reply
             if reply.is_success:
                 accepted.append(address)
         if not accepted:
+            await check_sync(self.smtp, "the next command")  # the refusals stand only then
             return self._result(replies)
         return await self._data(body_source, accepted, replies)
 
@@ -573,11 +620,11 @@ class OutboundSession:
             start = await self._command(
                 "DATA", s.data_init_timeout_s, b"DATA", intermediate_ok=True
             )
-        except _Failed as e:
+        except Failed as e:
             return accepted_get(e.reply)
         if start.code != 354:
             if not (start.is_temporary or start.is_permanent):
-                start = with_detail(R451_PROTOCOL_ERROR, f"{self._where()}: {start.code} to DATA")
+                start = with_detail(R451_PROTOCOL_ERROR, f"{self.where()}: {start.code} to DATA")
             return accepted_get(start)
 
         assert self.smtp is not None and self.smtp.protocol is not None
@@ -585,6 +632,7 @@ class OutboundSession:
         stuffer = DotStuffer()
         iterator = body.open()
         held = b""  # the latest stuffed chunk: the last one goes out with the terminator
+        dot_sent = False
         try:
             while True:
                 try:
@@ -592,8 +640,8 @@ class OutboundSession:
                 except StopAsyncIteration:
                     break
                 except Exception as e:  # any failure of the body store aborts the transaction
-                    log.warning("%s: body source failed during DATA: %r", self._where(), e)
-                    self._abort()
+                    log.warning("%s: body source failed during DATA: %r", self.where(), e)
+                    abort_connection(self.smtp)
                     return accepted_get(with_detail(R451_BODY_UNAVAILABLE, repr(e)))
                 out = stuffer.feed(chunk)
                 if out and held:
@@ -603,27 +651,45 @@ class OutboundSession:
                         # while the transport's write buffer is above its high-water mark.
                         await protocol._drain_helper()
                 held = out or held
+            await check_sync(self.smtp, "the final dot")  # else no dot: nothing delivered
             # The terminator is written (in one write with the last chunk: one system call
             # for a small message) and the reply awaited with no await in between, so the
             # reply cannot arrive before aiosmtplib expects it.
             protocol.write(held + stuffer.finish())
+            dot_sent = True
             response = await protocol.read_response(timeout=s.data_final_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
-            self._abort()
+            abort_connection(self.smtp)
             failure = self._translate(e, "DATA")
-            return accepted_get(failure.reply)
+            if not dot_sent:
+                return accepted_get(failure.reply)
+            return self._uncertain(accepted, replies, failure.reply)
         finally:
             await aclose(iterator)
         reply = to_reply(response, self.host)
+        try:
+            await check_sync(self.smtp, "the next command")
+        except Desync as e:  # which of the lines answered the dot is unknown
+            detail = f"desynchronised reply to the final dot ({reply})"
+            desync_reply = with_detail(R451_PROTOCOL_ERROR, f"{self.where()}: {detail}")
+            uncertain = self._uncertain(accepted, {}, desync_reply)
+            raise Desync(e.stage, e.data, dict(uncertain.replies)) from e
         self.reusable = reply.code != 421
         return accepted_get(reply)
 
-    def _abort(self) -> None:
-        """Drop the connection without the terminator: the server discards the message."""
-        smtp = self.smtp
-        if smtp is None:
-            return
-        transport = smtp.transport
-        if isinstance(transport, asyncio.WriteTransport):
-            transport.abort()
-        smtp.close()
+    def _uncertain(
+        self, accepted: list[str], replies: dict[str, Reply], failure: Reply
+    ) -> DeliveryResult:
+        """The final "." went out and no usable reply came back (connection lost, timeout,
+        unreadable reply): the next hop may have taken the message (RFC 5321 §4.5.3.2.6,
+        §6.1). The accepted recipients are deferred with ``failure`` and marked uncertain."""
+        what = "outcome uncertain, the message may be delivered twice"
+        log.warning("%s: no reply to the final dot (%s); %s", self.where(), failure, what)
+        detail = "after the final dot: the message may have been delivered"
+        reply = with_detail(failure, detail)
+        if not reply.is_temporary:
+            reply = with_detail(R451_PROTOCOL_ERROR, f"{failure}; {detail}")
+        for a in accepted:
+            replies[a] = reply
+        self.uncertain.update(accepted)
+        return self._result(replies)

@@ -18,7 +18,6 @@ import base64
 import hashlib
 import ipaddress
 import logging
-import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +38,7 @@ from jsqueue.frontend.syntax import (
     parse_size,
     require_utf8_allowed,
 )
+from jsqueue.frontend.wire import is_closing, printable, reply_line, with_enhanced_code
 from jsqueue.names import new_queue_id
 from jsqueue.replies import (
     R235_AUTH_OK,
@@ -70,7 +70,6 @@ from jsqueue.replies import (
     R555_UNKNOWN_PARAMETER,
     Reply,
     ehlo_reply,
-    generic_enhanced,
     helo_reply,
 )
 
@@ -84,33 +83,6 @@ READ_SIZE = 64 * 1024
 #: Longest MAIL/RCPT/AUTH command line accepted after EHLO (RFC 5321 §4.5.3.1.4 allows
 #: extensions to raise the 512 limit: SIZE, SMTPUTF8, RET/ENVID/AUTH, ORCPT/NOTIFY).
 EXTENDED_COMMAND_LIMIT = 1000
-_HAS_ENHANCED = re.compile(r"^[245]\d\d[ -][245]\.\d{1,3}\.\d{1,3}(?: |$)")
-_PRINTABLE_ONLY = re.compile(r"[^\x20-\x7e]")
-
-
-def with_enhanced_code(status: str) -> str:
-    """Give a 2xx/4xx/5xx reply line an enhanced status code if it has none (RFC 2034 §4).
-
-    aiosmtpd's own replies (``500 Error: bad syntax``, ``221 Bye`` …) lack them; ours have
-    them. The code added is :func:`jsqueue.replies.generic_enhanced` of the basic code.
-
-    Args:
-        status: one reply line without CRLF, e.g. ``221 Bye``.
-
-    Returns:
-        the line with ``x.y.z`` after the basic code; unchanged when it has one already or
-        is not a 2xx/4xx/5xx reply (3xx carry none).
-    """
-    code = status[:3]
-    if code[:1] not in ("2", "4", "5") or not code.isdigit() or _HAS_ENHANCED.match(status):
-        return status
-    sep = status[3:4] or " "
-    return f"{code}{sep}{generic_enhanced(int(code))} {status[4:]}".rstrip()
-
-
-def _line(reply: Reply, detail: str | None = None) -> str:
-    """``reply`` as its reply line; ``detail`` replaces the table's text when given."""
-    return str(reply if detail is None else reply.model_copy(update={"text": detail}))
 
 
 class _Transaction(Envelope):
@@ -142,13 +114,6 @@ def _client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
-
-
-def _is_closing(status: str | bytes) -> bool:
-    """Whether ``status`` is the 221 that answers QUIT (RFC 5321 §4.1.1.10)."""
-    return (
-        status[:3] if isinstance(status, str) else status[:3].decode("ascii", "replace")
-    ) == "221"
 
 
 class InboundSession(SMTP):
@@ -264,7 +229,7 @@ class InboundSession(SMTP):
             ConnectionError: the client has gone (raised by the transport's drain).
         """
         self._confirm()
-        if self._forgetting is not None and _is_closing(status):
+        if self._forgetting is not None and is_closing(status):
             # QUIT: the forget is done before the 221, so a connection the client opens
             # next finds the earlier copy's protection ended.
             await asyncio.wait({self._forgetting})
@@ -275,7 +240,7 @@ class InboundSession(SMTP):
         # RFC 2034 §4: the greeting (and the STARTTLS 220) carry no enhanced code.
         if not status.startswith("220"):
             status = with_enhanced_code(status)
-        await super().push(_PRINTABLE_ONLY.sub("?", status)[:510])
+        await super().push(printable(status))
 
     def _log_rejection(self, status: str | bytes) -> None:
         """Every 4yz/5yz reply a session sends (RFC 5321 §4.2.1: a refusal of a command,
@@ -311,7 +276,7 @@ class InboundSession(SMTP):
         self._forgetting = self._server.spawn(self._server.ingest.forget(key, queue_id))
 
     async def _reply(self, reply: Reply, detail: str | None = None) -> None:
-        await self.push(_line(reply, detail))
+        await self.push(reply_line(reply, detail))
 
     # -- state helpers ------------------------------------------------------------------
 
@@ -710,9 +675,9 @@ class InboundSession(SMTP):
         try:
             queued = await self._server.ingest.commit(upload, mail)
         except NotQueued as e:
-            return _line(e.reply)
+            return reply_line(e.reply)
         finally:
             self._reset_timeout()
         key = self._server.ingest.key_for(mail)
         self._queued = (key, queued) if key is not None else None
-        return _line(R250_QUEUED, f"{R250_QUEUED.text} {queued}")
+        return reply_line(R250_QUEUED, f"{R250_QUEUED.text} {queued}")

@@ -307,6 +307,7 @@ class ScriptedMx(_MxBase):
         hold: asyncio.Event | None = None,
     ) -> None:
         super().__init__(host, port)
+        self._writers: list[asyncio.StreamWriter] = []
         self.hold = hold
         self.held = 0
         self.name = name
@@ -328,6 +329,20 @@ class ScriptedMx(_MxBase):
         self.read_limit = read_limit
         self.max_line_length = max_line_length
         self.hook = hook
+
+    async def push(self, text: str) -> int:
+        """Send ``text`` (lines separated by ``\\n``) unasked on every open connection, as a
+        server that writes while the client sent nothing (e.g. on an idle cached session).
+
+        Returns:
+            the number of connections written to.
+        """
+        sent = 0
+        for writer in list(self._writers):
+            if not writer.is_closing():
+                await self._send(writer, text)
+                sent += 1
+        return sent
 
     async def start(self) -> ScriptedMx:
         """Start listening on (host, port); ``port`` is set when it was 0."""
@@ -351,12 +366,14 @@ class ScriptedMx(_MxBase):
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(peer=writer.get_extra_info("peername"))
         self.sessions.append(session)
+        self._writers.append(writer)
         self._notify()
         try:
             await self._converse(session, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass  # the client went away: nothing more to record
         finally:
+            self._writers.remove(writer)
             writer.close()
             session.closed = True
             self._notify()

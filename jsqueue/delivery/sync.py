@@ -1,0 +1,119 @@
+"""Reply synchronisation of an outbound SMTP connection (RFC 5321 §4.2, §4.1.1: one reply
+per command, in order). Without pipelining every reply must be complete, with nothing after
+it, before the next command goes out. A server that sends two replies to one command, or a
+line nobody asked for (after the greeting, after EHLO, while a cached session is idle),
+would otherwise have its extra line paired with the next command: one recipient's 550
+recorded for another, delivered mail bounced.
+
+:class:`GuardedSMTP` is aiosmtplib's client with :class:`GuardedProtocol`, which keeps what
+aiosmtplib would drop or leave for the next command: lines received while no reply was
+awaited, and lines after a complete reply in the same read. :func:`check_sync` raises
+:class:`Desync` when there are any; the session then drops the connection and retries on a
+fresh one what no reply in sync confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiosmtplib
+from aiosmtplib import SMTPResponse
+from aiosmtplib.protocol import SMTPProtocol
+
+from jsqueue.replies import Reply
+
+__all__ = ["STRAY_KEEP_OCTETS", "Desync", "GuardedProtocol", "GuardedSMTP", "check_sync"]
+
+STRAY_KEEP_OCTETS = 512
+"""Octets of unexpected server data kept for the log line."""
+
+
+class Desync(Exception):
+    """Server data arrived that no outstanding command asked for: the replies of this
+    connection may be shifted against the commands. A signal inside the package.
+
+    Attributes:
+        stage: the command that was about to be sent (or the step checked), e.g. ``"RCPT"``.
+        data: the start of the unexpected data (at most :data:`STRAY_KEEP_OCTETS`).
+        replies: replies that stand regardless (the uncertain outcome of a final ``.``).
+    """
+
+    def __init__(self, stage: str, data: bytes, replies: dict[str, Reply] | None = None) -> None:
+        super().__init__(f"desynchronised reply before {stage}: {data!r}")
+        self.stage = stage
+        self.data = data
+        self.replies = replies or {}
+
+
+class GuardedProtocol(SMTPProtocol):
+    """aiosmtplib's protocol, also keeping data received while no reply is awaited (which
+    aiosmtplib drops) so that :func:`check_sync` can see it. Reads aiosmtplib's private
+    ``_buffer``, ``_response_waiter`` and ``_response_pending`` (checked by a test)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop | None = None,
+        connection_lost_callback: Callable[[SMTPProtocol], None] | None = None,
+    ) -> None:
+        super().__init__(loop=loop, connection_lost_callback=connection_lost_callback)
+        self.stray = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        waiter = self._response_waiter
+        if waiter is not None and (not self._response_pending or waiter.done()):
+            room = STRAY_KEEP_OCTETS - len(self.stray)
+            self.stray += data[: max(room, 1)]
+            return
+        super().data_received(data)
+
+    def unread(self) -> bytes:
+        """Data received and not part of any reply read so far (empty when in sync)."""
+        return bytes(self._buffer[:STRAY_KEEP_OCTETS]) + bytes(self.stray)
+
+
+class GuardedSMTP(aiosmtplib.SMTP):
+    """aiosmtplib's client over a connected socket (``sock=``), with a
+    :class:`GuardedProtocol`; otherwise as aiosmtplib's ``_create_connection``."""
+
+    async def _create_connection(self, timeout: float | None) -> SMTPResponse:  # noqa: ASYNC109 (aiosmtplib's signature)
+        loop = self.loop
+        if loop is None or self.sock is None:
+            raise aiosmtplib.SMTPConnectError("GuardedSMTP needs a connected socket")
+        protocol = GuardedProtocol(loop=loop, connection_lost_callback=self._on_connection_lost)
+        try:
+            transport, _ = await asyncio.wait_for(
+                loop.create_connection(lambda: protocol, sock=self.sock), timeout=timeout
+            )
+        except TimeoutError as exc:
+            raise aiosmtplib.SMTPConnectTimeoutError("Timed out connecting") from exc
+        except OSError as exc:
+            raise aiosmtplib.SMTPConnectError(f"Error connecting: {exc}") from exc
+        self.protocol = protocol
+        self.transport = transport
+        try:
+            response = await protocol.read_response(timeout=timeout)
+        except aiosmtplib.SMTPServerDisconnected as exc:
+            raise aiosmtplib.SMTPConnectError(f"Error connecting: {exc}") from exc
+        except aiosmtplib.SMTPTimeoutError as exc:
+            raise aiosmtplib.SMTPConnectTimeoutError(
+                "Timed out waiting for server ready message"
+            ) from exc
+        if response.code != 220:
+            raise aiosmtplib.SMTPConnectResponseError(response.code, response.message)
+        return response
+
+
+async def check_sync(smtp: aiosmtplib.SMTP | None, stage: str) -> None:
+    """Before sending ``stage``: let data already received be read (one loop iteration),
+    then require that nothing arrived beyond the replies read (RFC 5321 §4.2).
+
+    Raises:
+        Desync: unexpected server data is pending.
+    """
+    await asyncio.sleep(0)
+    protocol = smtp.protocol if smtp is not None else None
+    if isinstance(protocol, GuardedProtocol):
+        data = protocol.unread()
+        if data:
+            raise Desync(stage, data)

@@ -1,0 +1,52 @@
+"""Reply lines as the front end puts them on the wire: the table's replies rendered
+(:func:`reply_line`), enhanced status codes added where aiosmtpd's own replies lack them
+(:func:`with_enhanced_code`, RFC 2034 §4), lines cut to what RFC 5321 allows
+(:func:`printable`), and the QUIT reply recognised (:func:`is_closing`). Pure, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jsqueue.replies import Reply, generic_enhanced
+
+_HAS_ENHANCED = re.compile(r"^[245]\d\d[ -][245]\.\d{1,3}\.\d{1,3}(?: |$)")
+_PRINTABLE_ONLY = re.compile(r"[^\x20-\x7e]")
+
+
+def with_enhanced_code(status: str) -> str:
+    """Give a 2xx/4xx/5xx reply line an enhanced status code if it has none (RFC 2034 §4).
+
+    aiosmtpd's own replies (``500 Error: bad syntax``, ``221 Bye`` …) lack them; ours have
+    them. The code added is :func:`jsqueue.replies.generic_enhanced` of the basic code.
+
+    Args:
+        status: one reply line without CRLF, e.g. ``221 Bye``.
+
+    Returns:
+        the line with ``x.y.z`` after the basic code; unchanged when it has one already or
+        is not a 2xx/4xx/5xx reply (3xx carry none).
+    """
+    code = status[:3]
+    if code[:1] not in ("2", "4", "5") or not code.isdigit() or _HAS_ENHANCED.match(status):
+        return status
+    sep = status[3:4] or " "
+    return f"{code}{sep}{generic_enhanced(int(code))} {status[4:]}".rstrip()
+
+
+def reply_line(reply: Reply, detail: str | None = None) -> str:
+    """``reply`` as its reply line; ``detail`` replaces the table's text when given."""
+    return str(reply if detail is None else reply.model_copy(update={"text": detail}))
+
+
+def printable(status: str) -> str:
+    """``status`` cut to printable US-ASCII of at most 510 octets, the longest reply line
+    before CRLF (RFC 5321 §4.2, §4.5.3.1.5): some replies quote client input."""
+    return _PRINTABLE_ONLY.sub("?", status)[:510]
+
+
+def is_closing(status: str | bytes) -> bool:
+    """Whether ``status`` is the 221 that answers QUIT (RFC 5321 §4.1.1.10)."""
+    return (
+        status[:3] if isinstance(status, str) else status[:3].decode("ascii", "replace")
+    ) == "221"

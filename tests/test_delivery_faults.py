@@ -1,0 +1,371 @@
+"""Delivery faults: an uncertain outcome after the final dot (RFC 5321 §6.1, §4.5.3.2.6),
+recipient limits per transaction (§4.5.3.1.10) and replies out of sync (§4.2). The client
+against scripted MXes, and workers end to end (real nats-server, DNS server); loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+
+import aiosmtplib
+import pytest
+from test_worker import _Events, gone, one_mx, tried_once
+
+from jsqueue.config import WorkerSettings
+from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
+from jsqueue.delivery.sync import GuardedProtocol
+from jsqueue.envelope import Recipient
+from jsqueue.events import EventKind
+from support.mx import CLOSE, SILENT, ScriptedMx, Session, shared_port
+from support.queue import Harness, eventually
+
+
+@pytest.mark.parametrize("end_of_data", [CLOSE, SILENT])
+async def test_no_reply_to_the_final_dot_is_an_uncertain_deferral(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture, end_of_data: str
+) -> None:
+    """RFC 5321 §4.5.3.2.6, §6.1: the connection dies (or the reply times out) after the
+    final dot. The recipient is deferred, and the log line, the deferred event and
+    ``jsqueue_delivery_uncertain_total`` say the outcome is uncertain (it may be delivered
+    twice); ordinary deferrals stay unmarked."""
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0}, worker={"data_final_timeout_s": 0.5})
+    domain = "dot.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.27"))
+    rcpt, busy = f"u@{domain}", f"busy@{domain}"
+    replies = {busy: "450 4.2.1 busy"}
+    async with ScriptedMx(
+        "127.0.2.27", h.mx_port, end_of_data=end_of_data, rcpt_replies=replies
+    ) as mx:
+        qid = await h.submit(b"Subject: dot\r\n\r\nbody\r\n", [rcpt, busy])
+        seen = _Events()
+        async with h.running(h.worker(observer=seen)):
+            await eventually(lambda: tried_once(h, qid), what="the attempt recorded")
+            await eventually(lambda: len(seen.events) >= 2, what="the events")
+    assert mx.transactions and mx.transactions[0].rcpt_to == [rcpt]
+    e = await h.entry(qid)
+    assert e is not None
+    states = {r.address: r.state.value for r in e.recipients}
+    assert states == {rcpt: "deferred", busy: "deferred"}
+    deferred = {ev.recipient: ev for ev in seen.events if ev.kind is EventKind.DEFERRED}
+    assert deferred[rcpt].uncertain is True
+    assert deferred[busy].uncertain is None
+    assert b'"uncertain":true' in deferred[rcpt].to_json()
+    lines = [r.getMessage() for r in caplog.records if qid in r.getMessage()]
+    [line] = [x for x in lines if f"to=<{rcpt}>" in x]
+    assert "outcome=deferred" in line and "uncertain=yes" in line
+    [other] = [x for x in lines if f"to=<{busy}>" in x]
+    assert "uncertain" not in other
+    registry = seen.metrics.registry
+    assert registry.get_sample_value("jsqueue_delivery_uncertain_total") == 1
+    sample = registry.get_sample_value("jsqueue_delivery_attempts_total", {"outcome": "deferred"})
+    assert sample == 2
+
+
+# --- recipient limits per transaction (RFC 5321 §4.5.3.1.10) ------------------------------
+
+
+def limit_of(n: int, reply: str) -> Callable[[Session, str], str | None]:
+    """A hook: at most ``n`` RCPTs per transaction are processed, the rest get ``reply``."""
+
+    def hook(session: Session, line: str) -> str | None:
+        if line.upper().startswith("RCPT") and session.rcpt_counts()[-1] > n:
+            return reply
+        return None
+
+    return hook
+
+
+def client_settings(port: int, **overrides: object) -> WorkerSettings:
+    values: dict[str, object] = {"mx_port": port, "ehlo_name": "worker.example.test"}
+    values.update(overrides)
+    return WorkerSettings.model_validate(values)
+
+
+def envelope_of(*addresses: str) -> DeliveryEnvelope:
+    recipients = tuple(Recipient.from_address(a) for a in addresses)
+    return DeliveryEnvelope(
+        domain=recipients[0].domain, reverse_path="alice@example.test", recipients=recipients
+    )
+
+
+BODY = BodySource.from_bytes(b"Subject: many\r\n\r\nbody\r\n")
+
+
+@pytest.mark.parametrize(
+    "limit_reply",
+    [
+        "452 4.5.3 Too many recipients",
+        "452 too many recipients",
+        "552 5.5.3 Too many recipients",
+        "552 too many recipients for this message",
+    ],
+)
+@pytest.mark.parametrize("after_data", ["stay", CLOSE, "421 4.3.2 one message per session"])
+async def test_recipient_limit_sends_the_rest_in_further_transactions(
+    limit_reply: str, after_data: str
+) -> None:
+    """RFC 5321 §4.5.3.1.10: a server that takes 2 RCPTs per transaction and answers the
+    rest 452 (or 552 "too many recipients", which the client SHOULD treat as temporary)
+    gets all 5 recipients in one attempt: further transactions of at most 2, on the same
+    session (no RSET after a completed transaction) or, when the server closes after the
+    data, on a new one. Every recipient is delivered, none deferred or bounced."""
+    host = "127.0.2.120"
+    port = shared_port([host])
+    rcpts = [f"u{i}@limit.example.test" for i in range(5)]
+    limit = limit_of(2, limit_reply)
+
+    def hook(session: Session, line: str) -> str | None:
+        if after_data != "stay" and line.upper().startswith("MAIL") and session.transactions:
+            return after_data  # the server ends the session after one message
+        return limit(session, line)
+
+    async with ScriptedMx(host, port, hook=hook) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.limit.example.test", address=host)],
+            envelope_of(*rcpts),
+            BODY,
+            client_settings(port),
+        )
+    assert result.delivered == rcpts, result.replies
+    assert result.deferred == [] and result.failed == []
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:5]]
+    assert "RSET" not in [v for s in mx.sessions for v in s.verbs()]
+    assert mx.connections == (1 if after_data == "stay" else 3)
+
+
+async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one() -> None:
+    """The extra transactions are bounded: one that accepts no recipient at all ends them;
+    its recipients are deferred with the 452 (never bounced)."""
+    host = "127.0.2.121"
+    port = shared_port([host])
+    rcpts = [f"u{i}@limit.example.test" for i in range(3)]
+    count = 0
+
+    def hook(session: Session, line: str) -> str | None:
+        nonlocal count
+        if line.upper().startswith("RCPT"):
+            count += 1
+            if count > 1:  # the first RCPT of the attempt only, then nothing more
+                return "452 4.5.3 Too many recipients"
+        return None
+
+    async with ScriptedMx(host, port, hook=hook) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.limit.example.test", address=host)],
+            envelope_of(*rcpts),
+            BODY,
+            client_settings(port),
+        )
+    assert result.delivered == rcpts[:1]
+    assert result.deferred == rcpts[1:]
+    assert all(result.replies[a].code == 452 for a in rcpts[1:])
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts[:1]]
+    assert [n for s in mx.sessions for n in s.rcpt_counts()] == [2, 2]
+
+
+async def test_an_ordinary_552_stays_a_permanent_failure_of_its_recipient() -> None:
+    """RFC 3463 §3.3: ``552 5.2.2`` mailbox full is that recipient's permanent failure, not
+    a recipient limit: the others are delivered in the same transaction."""
+    host = "127.0.2.122"
+    port = shared_port([host])
+    a, full, c = "a@limit.example.test", "full@limit.example.test", "c@limit.example.test"
+    async with ScriptedMx(host, port, rcpt_replies={full: "552 5.2.2 mailbox full"}) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.limit.example.test", address=host)],
+            envelope_of(a, full, c),
+            BODY,
+            client_settings(port),
+        )
+    assert result.delivered == [a, c] and result.failed == [full]
+    assert result.replies[full].enhanced == "5.2.2"
+    assert [t.rcpt_to for t in mx.delivered] == [[a, c]]
+
+
+async def test_worker_records_every_recipient_past_a_limit_delivered(
+    queue_harness: Harness,
+) -> None:
+    """A worker attempt against a server taking 2 RCPTs per transaction: all 5 recipients
+    are recorded delivered in the one attempt; no deferred or bounced event."""
+    h = queue_harness
+    domain = "limit.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.28"))
+    rcpts = [f"u{i}@{domain}" for i in range(5)]
+    async with ScriptedMx("127.0.2.28", h.mx_port, hook=limit_of(2, "452 4.5.3 limit")) as mx:
+        qid = await h.submit(b"Subject: many\r\n\r\nbody\r\n", rcpts)
+        seen = _Events()
+        async with h.running(h.worker(observer=seen)):
+            await eventually(lambda: gone(h, qid), what="every recipient delivered")
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:5]]
+    assert sorted(e.recipient or "" for e in seen.events) == rcpts
+    assert {e.kind for e in seen.events} == {EventKind.DELIVERED}
+    assert all(e.attempts == 1 for e in seen.events)
+
+
+# --- reply synchronisation (RFC 5321 §4.2: one reply per command) -------------------------
+
+DESYNC = "desynchronised reply detected"
+
+
+def first_session(verb: str, reply: Callable[[ScriptedMx, Session], str], every: bool = False):  # type: ignore[no-untyped-def]
+    """A hook answering ``verb`` with ``reply(mx, session)`` on the first connection (on
+    every one with ``every``); bind it with ``hook.mx = mx``."""
+
+    def hook(session: Session, line: str) -> str | None:
+        mx = hook.mx  # type: ignore[attr-defined]
+        if line.upper().startswith(verb) and (every or mx.sessions[0] is session):
+            return reply(mx, session)
+        return None
+
+    return hook
+
+
+def two_lines_to_first_rcpt(mx: ScriptedMx, session: Session) -> str:
+    if session.rcpt_counts()[-1] == 1:
+        return "250 2.1.5 ok\n550 5.1.1 no such user (not yours)"
+    return mx.rcpt
+
+
+def extra_after_ehlo(mx: ScriptedMx, session: Session) -> str:
+    return mx._ehlo_reply(session) + "\n250 2.0.0 and one more line"
+
+
+@pytest.mark.parametrize(
+    "verb,script", [("RCPT", two_lines_to_first_rcpt), ("EHLO", extra_after_ehlo)]
+)
+@pytest.mark.parametrize("cached", [False, True])
+async def test_a_reply_with_extra_lines_is_never_paired_with_a_later_command(
+    caplog: pytest.LogCaptureFixture,
+    verb: str,
+    script: Callable[[ScriptedMx, Session], str],
+    cached: bool,
+) -> None:
+    """RFC 5321 §4.2: a server that answers one RCPT with two lines (an extra 550), or sends
+    an extra line after its EHLO reply, on the first connection: the extra line is not
+    taken as the next command's reply (no recipient bounced for another's 550); the
+    connection is dropped and every recipient is delivered on a fresh one; the log says so."""
+    caplog.set_level(logging.INFO, logger="jsqueue.delivery")
+    host = "127.0.2.123"
+    port = shared_port([host])
+    rcpts = [f"{x}@sync.example.test" for x in "abc"]
+    hook = first_session(verb, script)
+    cache = ConnectionCache(idle_s=30.0) if cached else None
+    async with ScriptedMx(host, port, hook=hook) as mx:
+        hook.mx = mx  # type: ignore[attr-defined]
+        result = await deliver(
+            [MxTarget(host="mx.sync.example.test", address=host)],
+            envelope_of(*rcpts),
+            BODY,
+            client_settings(port),
+            cache,
+        )
+    if cache is not None:
+        await cache.close()
+    assert result.failed == [], result.replies
+    assert result.delivered == rcpts
+    assert mx.connections == 2
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts]
+    assert mx.sessions[0].transactions == []
+    assert any(DESYNC in r.getMessage() for r in caplog.records)
+
+
+async def test_a_server_out_of_sync_again_defers_with_4_5_0() -> None:
+    """The fresh connection gets out of sync as well: every recipient is deferred with a
+    4.5.0 protocol error, never bounced, and nothing is sent."""
+    host = "127.0.2.124"
+    port = shared_port([host])
+    rcpts = [f"{x}@sync.example.test" for x in "abc"]
+    hook = first_session("RCPT", two_lines_to_first_rcpt, every=True)
+    async with ScriptedMx(host, port, hook=hook) as mx:
+        hook.mx = mx  # type: ignore[attr-defined]
+        result = await deliver(
+            [MxTarget(host="mx.sync.example.test", address=host)],
+            envelope_of(*rcpts),
+            BODY,
+            client_settings(port),
+        )
+    assert result.deferred == rcpts and result.failed == []
+    assert {result.replies[a].enhanced for a in rcpts} == {"4.5.0"}
+    assert mx.connections == 2 and mx.transactions == []
+
+
+async def test_a_line_received_on_an_idle_cached_session_drops_it() -> None:
+    """A cached session is checked before reuse: a line the server sent while it was idle
+    means its replies may be shifted, so the next delivery uses a fresh connection."""
+    host = "127.0.2.125"
+    port = shared_port([host])
+    cache = ConnectionCache(idle_s=30.0)
+    target = [MxTarget(host="mx.sync.example.test", address=host)]
+    async with ScriptedMx(host, port) as mx:
+        first = await deliver(
+            target, envelope_of("a@sync.example.test"), BODY, client_settings(port), cache
+        )
+        assert first.delivered == ["a@sync.example.test"] and cache.idle == 1
+        assert await mx.push("550 5.1.1 unasked") == 1
+        await asyncio.sleep(0.2)
+        second = await deliver(
+            target, envelope_of("b@sync.example.test"), BODY, client_settings(port), cache
+        )
+        await cache.close()
+    assert second.delivered == ["b@sync.example.test"], second.replies
+    assert mx.connections == 2
+    assert [t.rcpt_to for t in mx.delivered] == [["a@sync.example.test"], ["b@sync.example.test"]]
+
+
+async def test_extra_lines_after_the_final_reply_make_the_outcome_uncertain() -> None:
+    """Two lines answer the final dot: which one answers it is unknown, so the recipient is
+    neither recorded delivered nor bounced: deferred with 4.5.0, marked uncertain."""
+    host = "127.0.2.126"
+    port = shared_port([host])
+    rcpt = "a@sync.example.test"
+    async with ScriptedMx(host, port, end_of_data="250 2.0.0 ok\n554 5.7.1 no") as mx:
+        result = await deliver(
+            [MxTarget(host="mx.sync.example.test", address=host)],
+            envelope_of(rcpt),
+            BODY,
+            client_settings(port),
+        )
+    assert result.deferred == [rcpt] and result.replies[rcpt].enhanced == "4.5.0"
+    assert result.uncertain == {rcpt}
+    assert mx.connections == 1
+
+
+async def test_aiosmtplib_private_names_the_reply_guard_relies_on() -> None:
+    """jsqueue.delivery.sync overrides ``SMTP._create_connection`` and reads the protocol's
+    ``_buffer``, ``_response_waiter`` and ``_response_pending``: an aiosmtplib upgrade that
+    renames one must fail here, not silently stop detecting shifted replies."""
+    assert list(inspect.signature(aiosmtplib.SMTP._create_connection).parameters) == [
+        "self",
+        "timeout",
+    ]
+    assert callable(aiosmtplib.SMTP._on_connection_lost)
+    protocol = GuardedProtocol(loop=asyncio.get_running_loop())
+    for name in ("_buffer", "_response_waiter", "_response_pending"):
+        assert hasattr(protocol, name), name
+
+
+async def test_worker_never_bounces_for_a_shifted_reply(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """End to end: the MX answers the first RCPT of its first connection with two lines (an
+    extra 550). The worker records every recipient delivered in the one attempt (on a fresh
+    connection): no bounced event, no DSN, and the log names the desynchronised reply."""
+    caplog.set_level(logging.INFO, logger="jsqueue")
+    h = queue_harness
+    domain = "sync.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.29"))
+    rcpts = [f"{x}@{domain}" for x in "abc"]
+    hook = first_session("RCPT", two_lines_to_first_rcpt)
+    async with ScriptedMx("127.0.2.29", h.mx_port, hook=hook) as mx:
+        hook.mx = mx  # type: ignore[attr-defined]
+        qid = await h.submit(b"Subject: sync\r\n\r\nbody\r\n", rcpts)
+        seen = _Events()
+        async with h.running(h.worker(observer=seen)):
+            await eventually(lambda: gone(h, qid), what="every recipient delivered")
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts]
+    assert {e.kind for e in seen.events} == {EventKind.DELIVERED}
+    assert sorted(e.recipient or "" for e in seen.events) == rcpts
+    assert any(DESYNC in r.getMessage() for r in caplog.records)
