@@ -103,7 +103,9 @@ class Worker:
         settings: worker settings (concurrency, batch, lease, drain bound).
         policy: retry policy for ordinary mail.
         dsn_policy: retry policy for DSNs (shorter lifetime).
-        owner: lease owner name; host name + random suffix when omitted.
+        owner: lease owner name; ``settings.lease_owner``, else the host name, when
+            omitted. With a presence store, :meth:`run` adds a random suffix when another
+            live worker uses the name (see :meth:`take_name`).
         clock: returns the current aware UTC time (tests pass a fake clock).
         rng: jitter source (retry delays, compare-and-set pauses).
         ack_wait_s: the work consumer's ack wait, seconds: the heartbeat keeps a long
@@ -132,7 +134,11 @@ class Worker:
         self.settings = settings
         self.policy = policy
         self.dsn_policy = dsn_policy or policy
-        self.owner = owner or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.owner = owner or settings.lease_owner or socket.gethostname()
+        #: this process's id in the presence bucket (tells a restart from a live namesake)
+        self.instance = uuid.uuid4().hex
+        #: (queue id, domain) this process is claiming or delivering: its in-flight set
+        self._busy: set[tuple[str, str]] = set()
         self.clock = clock
         self.rng = rng or random.Random()
         self.ack_wait_s = ack_wait_s
@@ -154,6 +160,18 @@ class Worker:
             idle_exit_s: return once nothing was due and nothing was in flight for this many
                 seconds (burst mode, for tests and one-shot runs); None = run until stopped.
         """
+        await self.take_name()
+        presence = asyncio.create_task(self._presence_beats())
+        try:
+            await self._loop(stop, idle_exit_s)
+        finally:
+            presence.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await presence
+        if self.stores.presence is not None:
+            await self.stores.presence.leave(self.owner)
+
+    async def _loop(self, stop: asyncio.Event, idle_exit_s: float | None) -> None:
         idle_since: float | None = None
         loop = asyncio.get_running_loop()
         while not stop.is_set():
@@ -180,6 +198,72 @@ class Worker:
                     break
         await self.drain()
         await self.deliverer.close()
+
+    # ------------------------------------------------------------------ presence
+
+    async def take_name(self) -> None:
+        """Register :attr:`owner` in the presence bucket before any claim.
+
+        A mark of this name written by another process is watched for up to
+        ``presence_grace_s`` seconds: when it expires, its process is dead (this worker
+        restarted after a crash) and the name, with its leases, is ours; when it is beaten
+        again, a live worker uses the name, and this one takes ``<name>-<random>`` with a
+        warning (never a live worker's leases). Without a presence store nothing happens.
+
+        Raises:
+            StoreUnavailable: the presence bucket cannot be read or written.
+        """
+        presence = self.stores.presence
+        if presence is None:
+            return
+        grace_s = self.settings.presence_grace_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s + 1.0
+        mark = await presence.seen(self.owner)
+        live = False
+        while mark is not None and mark.instance != self.instance and loop.time() < deadline:
+            await asyncio.sleep(min(0.2, grace_s / 10))
+            now_mark = await presence.seen(self.owner)
+            if now_mark is None:
+                mark = None
+            elif now_mark.revision != mark.revision:
+                live = True
+                break
+        if live or not await presence.beat(self.owner, self.instance, grace_s, first=True):
+            taken = self.owner
+            self.owner = f"{taken}-{uuid.uuid4().hex[:8]}"
+            log.warning(
+                "lease owner %s is used by a live worker; running as %s (set "
+                "worker.lease_owner to a unique name per worker)",
+                taken,
+                self.owner,
+            )
+            await presence.beat(self.owner, self.instance, grace_s)
+        log.info("lease owner %s present (grace %.0f s)", self.owner, grace_s)
+
+    async def _presence_beats(self) -> None:
+        """Re-write our presence every ``presence_grace_s / 3`` seconds; a failed beat is
+        tried again at the next."""
+        presence = self.stores.presence
+        if presence is None:
+            return
+        grace_s = self.settings.presence_grace_s
+        while True:
+            await asyncio.sleep(grace_s / 3)
+            try:
+                await presence.beat(self.owner, self.instance, grace_s)
+            except StoreUnavailable as e:
+                log.warning("presence heartbeat failed: %s", e)
+
+    async def _dead(self, owner: str) -> bool:
+        """Whether lease owner ``owner`` is not present (one read; False without a presence
+        store or when the read fails: a lease is only taken from a worker known dead)."""
+        if self.stores.presence is None:
+            return False
+        try:
+            return await self.stores.presence.seen(owner) is None
+        except StoreUnavailable:
+            return False
 
     async def drain(self) -> None:
         """Finish in-flight deliveries within the drain bound; give back the rest."""
@@ -246,7 +330,23 @@ class Worker:
             v = None if isinstance(read, cas.Gone) else read
             deleted = isinstance(read, cas.Gone) and read.deleted
             now = self.clock()
-            verdict = state.check(v.entry if v else None, item, now, deleted=deleted)
+            key = (item.queue_id, item.domain)
+            entry = v.entry if v else None
+            verdict = state.check(
+                entry, item, now, deleted=deleted, owner=self.owner, delivering=key in self._busy
+            )
+            dead: str | None = None
+            if verdict.leased_by is not None and await self._dead(verdict.leased_by):
+                dead, now = verdict.leased_by, self.clock()
+                verdict = state.check(
+                    entry,
+                    item,
+                    now,
+                    deleted=deleted,
+                    owner=self.owner,
+                    delivering=key in self._busy,
+                    dead_owner=dead,
+                )
             if verdict.verdict is state.Verdict.DROP:
                 log.debug("queue %s %s: drop (%s)", item.queue_id, item.domain, verdict.reason)
                 if v is not None:
@@ -267,11 +367,33 @@ class Worker:
                     await self._finish(v)
                     await due.ack()
                     return
+                if key in self._busy:  # another task of ours claimed it meanwhile
+                    await due.retry(1.0)
+                    return
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
-                v = await self._update(claimed, v.revision)
+                old = v.entry.leases.get(item.domain)
+                self._busy.add(key)
+                try:
+                    v = await self._update(claimed, v.revision)
+                except BaseException:
+                    self._busy.discard(key)
+                    raise
             except RevisionConflict:
                 continue
-            await self._attempt(due, v)
+            if old is not None and old.until > now:
+                whose = "dead worker" if dead else "earlier process of this worker"
+                log.warning(
+                    "queue %s %s: took over the lease of %s %s (until %s)",
+                    item.queue_id,
+                    item.domain,
+                    whose,
+                    old.owner,
+                    old.until.isoformat(),
+                )
+            try:
+                await self._attempt(due, v)
+            finally:
+                self._busy.discard(key)
             return
         await due.retry(1.0)
 

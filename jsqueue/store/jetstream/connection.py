@@ -23,6 +23,7 @@ from jsqueue.store.jetstream.api import NATS_FAILURES, describe, translate
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.store.jetstream.ingest import JetStreamIngestLog
+from jsqueue.store.jetstream.presence import JetStreamPresence
 from jsqueue.store.jetstream.provisioning import provision
 from jsqueue.store.jetstream.work import JetStreamScheduler
 
@@ -186,7 +187,8 @@ async def open_jetstream(
         await again.close()
         await _close(nc)
 
-    return Stores(bodies, entries, scheduler, close, ingest)
+    presence = JetStreamPresence(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
+    return Stores(bodies, entries, scheduler, close, ingest, presence)
 
 
 async def queue_backlog(
