@@ -355,7 +355,12 @@ class Worker:
                 return
             if verdict.verdict is state.Verdict.LATER:
                 log.debug("queue %s %s: %s", item.queue_id, item.domain, verdict.reason)
-                await due.retry(verdict.delay_s)
+                delay_s = verdict.delay_s
+                if verdict.leased_by is not None and self.stores.presence is not None:
+                    # Another owner's lease: look at its presence again within the grace,
+                    # so that a worker dying now does not hold the mail for a whole lease.
+                    delay_s = min(delay_s, self.settings.presence_grace_s)
+                await due.retry(delay_s)
                 return
             assert v is not None
             expired = state.expire_all(v.entry, item.domain, now, self._policy(v.entry))

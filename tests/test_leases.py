@@ -1,0 +1,186 @@
+"""Leases after a crash (issue item 4): a worker that restarts with the same lease owner
+takes its own leases back when the work items return, a dead worker's lease is taken over
+after the presence grace, a live worker's lease is never taken (a second worker of the same
+name runs under a suffixed name), and the operators' ``queue flush --break-lease`` and
+``queue requeue``. Real nats-server, DNS and a scripted MX that holds the reply to the final
+dot, so that a lease stays taken while the worker is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from test_admin import DEST_ZONE, MESSAGE, RCPT
+from test_cli import jsqueue, queue_env
+
+from jsqueue.admin import Admin
+from jsqueue.envelope import Entry, RecipientState, utcnow
+from jsqueue.names import Names
+from jsqueue.nats_server import EmbeddedNats
+from jsqueue.state import claim
+from jsqueue.store.jetstream.work import JetStreamDue
+from jsqueue.views import Outcome
+from jsqueue.worker import Worker
+from support.mx import ScriptedMx
+from support.nats import ACK_WAIT_S
+from support.queue import Harness, eventually
+
+DOMAIN = "dest.example.test"
+#: Long: every delivery below must happen long before a lease of this length runs out.
+LEASE_S = 600.0
+GRACE_S = 2.0
+
+
+async def start(w: Worker) -> tuple[asyncio.Task[None], asyncio.Event]:
+    stop = asyncio.Event()
+    return asyncio.create_task(w.run(stop)), stop
+
+
+async def kill(w: Worker, task: asyncio.Task[None]) -> None:
+    """Stands for kill -9: deliveries end without giving anything back (no lease released,
+    no NAK), heartbeats and presence stop, nothing is drained."""
+
+    async def nothing(due: JetStreamDue) -> None:
+        return None
+
+    w._give_back = nothing  # type: ignore[assignment,method-assign]
+    handlers = list(w._tasks)
+    task.cancel()
+    for t in handlers:
+        t.cancel()
+    await asyncio.gather(task, *handlers, return_exceptions=True)
+
+
+async def leased(h: Harness, qid: str, owner: str) -> bool:
+    e: Entry | None = await h.entry(qid)
+    return e is not None and DOMAIN in e.leases and e.leases[DOMAIN].owner == owner
+
+
+def configure(h: Harness) -> None:
+    h.dns.add(DEST_ZONE)
+    h.configure(worker={"lease_s": LEASE_S, "presence_grace_s": GRACE_S})
+
+
+async def crashed_mid_delivery(h: Harness, mx: ScriptedMx, owner: str) -> str:
+    """Submit one message; a worker named ``owner`` claims it, sends it and sits in the
+    wait for the reply to the final dot; then it is killed. Returns the queue id."""
+    qid = await h.submit(MESSAGE, [RCPT])
+    w1 = h.worker(owner=owner)
+    task, _ = await start(w1)
+    await mx.wait_for(lambda: mx.held == 1, timeout_s=15)
+    assert await leased(h, qid, owner)
+    await kill(w1, task)
+    mx.hold = None  # later sessions are answered at once
+    return qid
+
+
+async def test_restarted_worker_takes_its_own_lease_back(queue_harness: Harness) -> None:
+    """A worker killed while delivering and restarted with the same lease owner delivers
+    the message soon after the work item comes back (ack wait), not after the lease."""
+    h = queue_harness
+    configure(h)
+    async with ScriptedMx("127.0.2.20", h.mx_port, hold=asyncio.Event()) as mx:
+        qid = await crashed_mid_delivery(h, mx, "pod-a")
+        began = time.monotonic()
+        w2 = h.worker(owner="pod-a")
+        async with h.running(w2):
+            await eventually(lambda: len(mx.delivered) == 1, timeout_s=20, what="redelivered")
+        took = time.monotonic() - began
+        assert w2.owner == "pod-a"  # the dead process's mark expired: the name is ours
+        assert took < ACK_WAIT_S + GRACE_S + 15 < LEASE_S
+        assert await h.entry(qid) is None
+
+
+async def test_dead_workers_lease_is_taken_over_after_the_grace(queue_harness: Harness) -> None:
+    """Another worker finds the destination leased by pod-a, sees pod-a is not present
+    (no heartbeat within the grace) and takes the lease over by compare-and-set."""
+    h = queue_harness
+    configure(h)
+    async with ScriptedMx("127.0.2.20", h.mx_port, hold=asyncio.Event()) as mx:
+        qid = await crashed_mid_delivery(h, mx, "pod-a")
+        began = time.monotonic()
+        w2 = h.worker(owner="pod-b")
+        async with h.running(w2):
+            await eventually(lambda: len(mx.delivered) == 1, timeout_s=25, what="taken over")
+        assert time.monotonic() - began < ACK_WAIT_S + 2 * GRACE_S + 15 < LEASE_S
+        assert w2.owner == "pod-b"
+        assert await h.entry(qid) is None
+
+
+async def test_live_workers_lease_is_never_taken(queue_harness: Harness) -> None:
+    """A second worker started with the name of a live one runs under a suffixed name;
+    neither it nor a flush takes the live worker's lease; the message is sent once."""
+    h = queue_harness
+    configure(h)
+    hold = asyncio.Event()
+    async with ScriptedMx("127.0.2.20", h.mx_port, hold=hold) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        w1 = h.worker(owner="pod-a")
+        async with h.running(w1):
+            await mx.wait_for(lambda: mx.held == 1, timeout_s=15)
+            w2 = h.worker(owner="pod-a")
+            async with h.running(w2):
+                await eventually(lambda: w2.owner != "pod-a", timeout_s=10, what="renamed")
+                assert w2.owner.startswith("pod-a-")
+                flush = await Admin(h.stores).flush(qid)
+                assert flush.outcome is Outcome.UNCHANGED and "pod-a" in flush.detail
+                await asyncio.sleep(ACK_WAIT_S + GRACE_S)
+                assert await leased(h, qid, "pod-a")
+                assert mx.connections == 1
+                hold.set()
+                await eventually(lambda: len(mx.delivered) == 1, timeout_s=15, what="sent")
+                await asyncio.sleep(1.0)
+        assert len(mx.delivered) == 1
+
+
+async def test_cli_flush_break_lease_and_requeue(
+    queue_harness: Harness, nats_server: EmbeddedNats, names: Names
+) -> None:
+    """``queue flush`` breaks the lease of an owner that is not present and refuses a live
+    one, saying so; ``--break-lease`` breaks a live one with the warning; ``queue requeue``
+    drops a live lease with the same warning, bumps the generation, keeps the attempts and
+    makes the message due now."""
+    h = queue_harness
+    configure(h)
+    env = queue_env(nats_server, names)
+    presence = h.stores.presence
+    assert presence is not None
+    await presence.beat("pod-live", "its-process", 600.0)
+    qid = await h.submit(MESSAGE, [RCPT])
+
+    async def lease(owner: str, attempts: int = 0) -> Entry:
+        v = await h.stores.entries.get(qid)
+        entry = v.entry.model_copy(deep=True)
+        entry.recipients[0].attempts = attempts
+        entry = claim(entry, DOMAIN, owner, utcnow(), LEASE_S)
+        await h.stores.entries.update(entry, v.revision)
+        return entry
+
+    await lease("pod-dead")
+    safe = await jsqueue("queue", "flush", qid, env=env)
+    assert safe.code == 0, safe
+    assert "lease of pod-dead broken" in safe.out
+    e = await h.entry(qid)
+    assert e is not None and DOMAIN not in e.leases
+
+    before = await lease("pod-live")
+    refused = await jsqueue("queue", "flush", qid, env=env)
+    assert "pod-live" in refused.out and await leased(h, qid, "pod-live")
+    broken = await jsqueue("queue", "flush", "--break-lease", qid, env=env)
+    assert broken.code == 0, broken
+    assert "sent twice" in broken.err
+    assert "live lease of pod-live broken" in broken.out
+    e = await h.entry(qid)
+    assert e is not None and DOMAIN not in e.leases and e.generation > before.generation
+
+    before = await lease("pod-live", attempts=3)
+    requeue = await jsqueue("queue", "requeue", qid, "--json", env=env)
+    assert requeue.code == 0, requeue
+    assert "sent twice" in requeue.err
+    [result] = requeue.json_lines()[0]["results"]  # type: ignore[misc]
+    assert result["outcome"] == "done" and "pod-live" in result["detail"]
+    e = await h.entry(qid)
+    assert e is not None and DOMAIN not in e.leases and e.generation > before.generation
+    r = e.recipients[0]
+    assert r.attempts == 3 and r.state is RecipientState.DEFERRED
+    assert r.next_attempt_at is not None and r.next_attempt_at <= utcnow()
