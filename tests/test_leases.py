@@ -8,7 +8,12 @@ dot, so that a lease stays taken while the worker is killed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from test_admin import DEST_ZONE, MESSAGE, RCPT
 from test_cli import jsqueue, queue_env
@@ -21,7 +26,7 @@ from jsqueue.state import claim
 from jsqueue.store.jetstream.work import JetStreamDue
 from jsqueue.views import Outcome
 from jsqueue.worker import Worker
-from support.mx import ScriptedMx
+from support.mx import SILENT, ScriptedMx
 from support.nats import ACK_WAIT_S
 from support.queue import Harness, eventually
 
@@ -184,3 +189,72 @@ async def test_cli_flush_break_lease_and_requeue(
     r = e.recipients[0]
     assert r.attempts == 3 and r.state is RecipientState.DEFERRED
     assert r.next_attempt_at is not None and r.next_attempt_at <= utcnow()
+
+
+def worker_env(h: Harness, nats_server: EmbeddedNats, tmp_path: Path) -> dict[str, str]:
+    """The environment of a ``jsqueue worker`` process on the harness's queue, named
+    ``pod-k``, with a long lease and a short presence grace."""
+    return {
+        **os.environ,
+        "JSQUEUE_NATS__URLS": f'["{nats_server.url}"]',
+        "JSQUEUE_NATS__PREFIX": h.settings.nats.prefix,
+        "JSQUEUE_NATS__ACK_WAIT_S": str(h.settings.nats.ack_wait_s),
+        "JSQUEUE_WORKER__MX_PORT": str(h.mx_port),
+        "JSQUEUE_WORKER__NAMESERVERS": f'["{h.dns.host}"]',
+        "JSQUEUE_WORKER__NAMESERVER_PORT": str(h.dns.port),
+        "JSQUEUE_WORKER__LEASE_S": str(LEASE_S),
+        "JSQUEUE_WORKER__LEASE_OWNER": "pod-k",
+        "JSQUEUE_WORKER__PRESENCE_GRACE_S": str(GRACE_S),
+        "JSQUEUE_WORKER__BODY_CACHE_DIR": str(tmp_path / "proc-cache"),
+        "JSQUEUE_HTTP__ENABLED": "false",
+        "JSQUEUE_RECONCILER__ENABLED": "false",
+    }
+
+
+async def spawn_worker(env: dict[str, str], log: Path) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jsqueue",
+        "worker",
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+
+
+async def test_sigkilled_worker_process_restarted_with_its_name(
+    queue_harness: Harness, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """kill -9 of a ``jsqueue worker`` process mid-delivery (the MX never answers the final
+    dot); a new process with the same ``worker.lease_owner`` delivers the message soon after
+    the work item comes back, long before the 600 s lease would run out."""
+    h = queue_harness
+    configure(h)
+    env = worker_env(h, nats_server, tmp_path)
+    async with ScriptedMx("127.0.2.20", h.mx_port, end_of_data=SILENT) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        first = await spawn_worker(env, tmp_path / "first.log")
+        second: asyncio.subprocess.Process | None = None
+        try:
+            await eventually(
+                lambda: any(s.transactions for s in mx.sessions), 30, what="first worker at DATA"
+            )
+            assert await leased(h, qid, "pod-k")
+            first.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(first.wait(), 10)
+            mx.end_of_data = "250 2.0.0 ok"
+            began = time.monotonic()
+            second = await spawn_worker(env, tmp_path / "second.log")
+            await eventually(
+                lambda: len(mx.delivered) == 1,
+                ACK_WAIT_S + GRACE_S + 25,
+                what="delivered by the restarted process",
+            )
+            assert time.monotonic() - began < LEASE_S / 10
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
