@@ -40,7 +40,7 @@ from jsqueue.events import (
 )
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
-from jsqueue.store import cas, layout
+from jsqueue.store import cas, layout, presence
 from jsqueue.store.base import Due, Stores, Versioned
 
 log = logging.getLogger("jsqueue.worker")
@@ -161,13 +161,13 @@ class Worker:
                 seconds (burst mode, for tests and one-shot runs); None = run until stopped.
         """
         await self.take_name()
-        presence = asyncio.create_task(self._presence_beats())
+        beats = asyncio.create_task(self._presence_beats())
         try:
             await self._loop(stop, idle_exit_s)
         finally:
-            presence.cancel()
+            beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await presence
+                await beats
         if self.stores.presence is not None:
             await self.stores.presence.leave(self.owner)
 
@@ -202,58 +202,24 @@ class Worker:
     # ------------------------------------------------------------------ presence
 
     async def take_name(self) -> None:
-        """Register :attr:`owner` in the presence bucket before any claim.
-
-        A mark of this name written by another process is watched for up to
-        ``presence_grace_s`` seconds: when it expires, its process is dead (this worker
-        restarted after a crash) and the name, with its leases, is ours; when it is beaten
-        again, a live worker uses the name, and this one takes ``<name>-<random>`` with a
-        warning (never a live worker's leases). Without a presence store nothing happens.
+        """Register :attr:`owner` in the presence bucket before any claim; a name a live
+        worker uses becomes ``<name>-<random>`` (:func:`jsqueue.store.presence.take_name`).
+        Without a presence store nothing happens.
 
         Raises:
             StoreUnavailable: the presence bucket cannot be read or written.
         """
-        presence = self.stores.presence
-        if presence is None:
-            return
-        grace_s = self.settings.presence_grace_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s + 1.0
-        mark = await presence.seen(self.owner)
-        live = False
-        while mark is not None and mark.instance != self.instance and loop.time() < deadline:
-            await asyncio.sleep(min(0.2, grace_s / 10))
-            now_mark = await presence.seen(self.owner)
-            if now_mark is None:
-                mark = None
-            elif now_mark.revision != mark.revision:
-                live = True
-                break
-        if live or not await presence.beat(self.owner, self.instance, grace_s, first=True):
-            taken = self.owner
-            self.owner = f"{taken}-{uuid.uuid4().hex[:8]}"
-            log.warning(
-                "lease owner %s is used by a live worker; running as %s (set "
-                "worker.lease_owner to a unique name per worker)",
-                taken,
-                self.owner,
+        if self.stores.presence is not None:
+            grace_s = self.settings.presence_grace_s
+            self.owner = await presence.take_name(
+                self.stores.presence, self.owner, self.instance, grace_s
             )
-            await presence.beat(self.owner, self.instance, grace_s)
-        log.info("lease owner %s present (grace %.0f s)", self.owner, grace_s)
 
     async def _presence_beats(self) -> None:
-        """Re-write our presence every ``presence_grace_s / 3`` seconds; a failed beat is
-        tried again at the next."""
-        presence = self.stores.presence
-        if presence is None:
-            return
-        grace_s = self.settings.presence_grace_s
-        while True:
-            await asyncio.sleep(grace_s / 3)
-            try:
-                await presence.beat(self.owner, self.instance, grace_s)
-            except StoreUnavailable as e:
-                log.warning("presence heartbeat failed: %s", e)
+        """Keep our presence alive (every ``presence_grace_s / 3`` seconds)."""
+        if self.stores.presence is not None:
+            grace_s = self.settings.presence_grace_s
+            await presence.keep_alive(self.stores.presence, self.owner, self.instance, grace_s)
 
     async def _dead(self, owner: str) -> bool:
         """Whether lease owner ``owner`` is not present (one read; False without a presence
