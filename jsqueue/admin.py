@@ -23,7 +23,7 @@ from jsqueue.envelope import Entry, EntryState, RecipientState, WorkItem, routin
 from jsqueue.errors import EntryNotFound, InvalidName, JsqueueError, RevisionConflict, StoreError
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event, recipient_event
 from jsqueue.names import check_queue_id
-from jsqueue.state import bounced, flushed, held, released_from_hold
+from jsqueue.state import bounced, flushed, held, released_from_hold, requeued
 from jsqueue.store import cas
 from jsqueue.store.base import Stores, Versioned
 from jsqueue.store.layout import open_entry_body
@@ -397,7 +397,24 @@ class Admin:
             state=entry.state if entry is not None else None,
         )
 
-    async def flush(self, queue_id: str, domain: str | None = None) -> ActionResult:
+    async def _dead_owners(self, queue_id: str) -> frozenset[str]:
+        """Owners of the entry's running leases that are not present (no heartbeat within
+        their grace): their leases can be broken safely. Empty without a presence store.
+
+        Raises:
+            EntryNotFound, StoreUnavailable.
+        """
+        presence = self.stores.presence
+        if presence is None:
+            return frozenset()
+        now = self.clock()
+        entry = (await self.stores.entries.get(queue_id)).entry
+        owners = {lease.owner for lease in entry.leases.values() if lease.until > now}
+        return frozenset([o for o in sorted(owners) if await presence.seen(o) is None])
+
+    async def flush(
+        self, queue_id: str, domain: str | None = None, *, break_lease: bool = False
+    ) -> ActionResult:
         """Deliver now, overriding the backoff (``postqueue -i``; ``-s`` with ``domain``).
 
         Makes the open recipients due by compare-and-set (:func:`jsqueue.state.flushed`),
@@ -405,11 +422,15 @@ class Admin:
         within about a second (DESIGN.md §4). Held entries are left alone (release them). A
         destination under a running lease is not touched (its attempt finishes; RFC 5321
         §6.1), which the detail says with the lease's owner and end; an expired lease is
-        dropped by the same compare-and-set. Idempotent.
+        dropped by the same compare-and-set, and so is a running lease whose owner is not
+        present (a dead worker: nobody is mid-transaction). With ``break_lease`` a live
+        worker's lease is broken too, which the detail warns about: a transaction under way
+        cannot be recalled and the message may be sent twice (RFC 5321 §6.1). Idempotent.
 
         Args:
             queue_id: the entry.
             domain: only recipients of this routing domain (A-label); all when None.
+            break_lease: break running leases of live workers too.
 
         Returns:
             DONE with the entry's state afterwards, or UNCHANGED (held, nothing open, every
@@ -423,7 +444,10 @@ class Admin:
             StoreUnavailable: NATS failed; the KV change may be made already: re-run.
         """
         check_queue_id(queue_id)
-        c = await self._change(queue_id, lambda e, now: flushed(e, now, domain))
+        dead = await self._dead_owners(queue_id)
+        c = await self._change(
+            queue_id, lambda e, now: flushed(e, now, domain, dead=dead, break_live=break_lease)
+        )
         if c.after is None:
             return self._result(queue_id, Action.FLUSH, Outcome.UNCHANGED, c.detail, c.before)
         await self._reschedule(c.after)
@@ -431,6 +455,34 @@ class Admin:
             entry_event(EventKind.FLUSHED, c.after, source=self.source, detail=c.detail)
         )
         return self._result(queue_id, Action.FLUSH, Outcome.DONE, c.detail, c.after)
+
+    async def requeue(self, queue_id: str) -> ActionResult:
+        """Requeue (``postsuper -r``): drop every lease, a new generation, every open
+        recipient due now, attempts kept (:func:`jsqueue.state.requeued`); then publish
+        the new work items. A live worker's lease is broken too, and the detail warns: a
+        transaction under way cannot be recalled, the message may be sent twice (RFC 5321
+        §6.1). Held entries are left alone (release them). One ``requeued`` event.
+        Idempotent.
+
+        Returns:
+            DONE, or UNCHANGED (held, nothing open) with the reason in ``detail``.
+
+        Raises:
+            InvalidName: ``queue_id`` is not a queue id.
+            EntryNotFound: no such entry.
+            RevisionConflict: the entry kept changing meanwhile: re-run.
+            StoreUnavailable: NATS failed; the KV change may be made already: re-run.
+        """
+        check_queue_id(queue_id)
+        dead = await self._dead_owners(queue_id)
+        c = await self._change(queue_id, lambda e, now: requeued(e, now, dead=dead))
+        if c.after is None:
+            return self._result(queue_id, Action.REQUEUE, Outcome.UNCHANGED, c.detail, c.before)
+        await self._reschedule(c.after)
+        self.observer.emit(
+            entry_event(EventKind.REQUEUED, c.after, source=self.source, detail=c.detail)
+        )
+        return self._result(queue_id, Action.REQUEUE, Outcome.DONE, c.detail, c.after)
 
     async def hold(self, queue_id: str) -> ActionResult:
         """Put the entry on hold (``postsuper -h``): nothing is attempted until released.
@@ -547,7 +599,12 @@ class Admin:
         return self._result(queue_id, Action.BOUNCE, Outcome.DONE, c.detail, c.after)
 
     async def act(
-        self, action: Action, queue_id: str, *, domain: str | None = None
+        self,
+        action: Action,
+        queue_id: str,
+        *,
+        domain: str | None = None,
+        break_lease: bool = False,
     ) -> ActionResult:
         """Run one action; every error becomes a NOT_FOUND or FAILED result. Never raises
         :class:`~jsqueue.errors.JsqueueError`. Idempotent as each action is.
@@ -556,6 +613,7 @@ class Admin:
             action: what to do.
             queue_id: the entry.
             domain: for FLUSH only: just this destination domain.
+            break_lease: for FLUSH only: break live workers' leases too.
 
         Returns:
             the action's result; NOT_FOUND for a missing entry, FAILED (with the error in
@@ -563,7 +621,9 @@ class Admin:
         """
         try:
             if action is Action.FLUSH:
-                return await self.flush(queue_id, domain)
+                return await self.flush(queue_id, domain, break_lease=break_lease)
+            if action is Action.REQUEUE:
+                return await self.requeue(queue_id)
             if action is Action.HOLD:
                 return await self.hold(queue_id)
             if action is Action.RELEASE:
@@ -592,6 +652,7 @@ class Admin:
         queue_ids: Sequence[str],
         *,
         domain: str | None = None,
+        break_lease: bool = False,
         progress: Progress | None = None,
     ) -> BulkResult:
         """Run ``action`` on each of ``queue_ids``, ``concurrency`` at a time.
@@ -600,6 +661,7 @@ class Admin:
             action: what to do.
             queue_ids: the entries (e.g. from :meth:`select`).
             domain: for FLUSH only: just this destination domain.
+            break_lease: for FLUSH only: break live workers' leases too.
             progress: called after each entry with (done, total).
 
         Returns:
@@ -613,7 +675,9 @@ class Admin:
         async def run() -> None:
             nonlocal done
             for i, queue_id in todo:
-                results[i] = await self.act(action, queue_id, domain=domain)
+                results[i] = await self.act(
+                    action, queue_id, domain=domain, break_lease=break_lease
+                )
                 done += 1
                 if progress is not None:
                     progress(done, len(queue_ids))

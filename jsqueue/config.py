@@ -238,6 +238,20 @@ class WorkerSettings(_Section):
     data_block_timeout_s: float = Field(180.0, gt=0, description="each data block, seconds")
     data_final_timeout_s: float = Field(600.0, gt=0, description="reply to the dot, seconds")
     lease_s: float = Field(600.0, gt=0, description="claim lease per delivery, seconds")
+    lease_owner: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="stable lease owner name (a restarted worker takes its leases back); "
+        "the host name (the pod name in Kubernetes) when unset",
+    )
+    presence_grace_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="a worker without a heartbeat for this long is dead and its leases are "
+        "taken over, seconds (heartbeat every grace/3)",
+    )
     drain_timeout_s: float = Field(20.0, gt=0, description="SIGTERM drain bound, seconds")
     connection_cache_s: float = Field(
         2.0, ge=0, description="idle outbound session kept for reuse, seconds; 0 = QUIT each"

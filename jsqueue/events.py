@@ -79,6 +79,7 @@ class EventKind(StrEnum):
     RELEASED = "released"  # an operator released a held message
     FLUSHED = "flushed"  # an operator asked for delivery now, overriding the backoff
     DELETED = "deleted"  # an operator deleted the message (no DSN)
+    REQUEUED = "requeued"  # an operator requeued the message (leases dropped, due now)
     # the entry store refused an entry as too large: a worker recorded the replies cut
     # further, or held the message (detail says which and why)
     TOO_LARGE = "too_large"

@@ -242,6 +242,16 @@ class Names:
         return kv_stream(self.ingest_bucket)
 
     @property
+    def presence_bucket(self) -> str:
+        """KV bucket of live workers (``<prefix>-presence``), key = :func:`presence_key`."""
+        return f"{self.prefix}-presence"
+
+    @property
+    def presence_stream(self) -> str:
+        """Stream behind the presence bucket (``KV_<prefix>-presence``)."""
+        return kv_stream(self.presence_bucket)
+
+    @property
     def locks_bucket(self) -> str:
         """KV bucket of cluster-wide locks (``<prefix>-locks``), key = lock name."""
         return f"{self.prefix}-locks"
@@ -311,3 +321,16 @@ class Names:
     def work_msg_id(self, queue_id: str, domain: str, generation: int) -> str:
         """``Nats-Msg-Id`` for a work item: publishing the same item twice stores it once."""
         return f"{check_queue_id(queue_id)}:{check_domain(domain)}:{generation}"
+
+
+def presence_key(owner: str) -> str:
+    """The presence bucket's key of lease owner ``owner``: characters KV keys allow
+    (``[-_=.a-zA-Z0-9]``, but ``=`` and ``.`` escaped) kept, every other octet (UTF-8) as
+    ``=XX``; distinct owners get distinct keys. Pure."""
+    out = []
+    for ch in owner:
+        if ch.isascii() and (ch.isalnum() or ch in "-_"):
+            out.append(ch)
+        else:
+            out.extend(f"={b:02X}" for b in ch.encode())
+    return "".join(out) or "=00"

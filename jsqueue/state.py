@@ -49,6 +49,9 @@ class Check:
     verdict: Verdict
     reason: str
     delay_s: float = 0.0
+    #: for LATER under another owner's running lease: that owner (whose presence the
+    #: worker may look up, then check again with ``dead_owner``)
+    leased_by: str | None = None
 
 
 def check(
@@ -58,6 +61,9 @@ def check(
     *,
     tolerance_s: float = 1.0,
     deleted: bool = False,
+    owner: str | None = None,
+    delivering: bool = False,
+    dead_owner: str | None = None,
 ) -> Check:
     """Decide whether ``item`` may be delivered now, re-checking it against KV (the truth).
 
@@ -67,6 +73,13 @@ def check(
         now: current time, aware.
         tolerance_s: seconds of earliness still treated as due.
         deleted: with ``entry`` None, the store knows it was deleted (not "not yet").
+        owner: the checking worker's lease owner name. A running lease of that name is
+            left over from an earlier process of the same worker (it restarted after a
+            crash) unless ``delivering``, and counts as free.
+        delivering: this process is delivering ``item``'s destination right now (it is in
+            its in-flight set): its own lease is respected.
+        dead_owner: an owner found not present (no heartbeat within the grace): its
+            running lease is stale and counts as free.
 
     Returns:
         LATER for a missing (not deleted) entry whose id is younger than
@@ -89,11 +102,29 @@ def check(
     if due is None:
         return Check(Verdict.DROP, "no open recipient for the domain")
     lease = entry.leases.get(item.domain)
-    if lease is not None and lease.until > now:
-        return Check(Verdict.LATER, f"leased by {lease.owner}", delay_until_s(lease.until, now))
+    if (
+        lease is not None
+        and lease.until > now
+        and not lease_free(lease, owner, delivering, dead_owner)
+    ):
+        return Check(
+            Verdict.LATER,
+            f"leased by {lease.owner}",
+            delay_until_s(lease.until, now),
+            leased_by=None if lease.owner == owner else lease.owner,
+        )
     if not is_due(due, now, tolerance_s=tolerance_s):
         return Check(Verdict.LATER, "not yet due", delay_until_s(due, now))
     return Check(Verdict.DELIVER, "due")
+
+
+def lease_free(lease: Lease, owner: str | None, delivering: bool, dead_owner: str | None) -> bool:
+    """Whether a running ``lease`` may be taken over: it is ``owner``'s own (a worker that
+    restarted with the same name) and ``owner`` is not ``delivering`` it, or its owner is
+    ``dead_owner`` (not present). Pure."""
+    if owner is not None and lease.owner == owner:
+        return not delivering
+    return dead_owner is not None and lease.owner == dead_owner
 
 
 def _copy(entry: Entry) -> Entry:
@@ -299,7 +330,39 @@ def _at(value: datetime) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Entry | None, str]:
+#: What a broken live lease risks, for the operators' details and warnings.
+BREAK_WARNING = (
+    "a transaction under way cannot be recalled: the message may be sent twice (RFC 5321 §6.1)"
+)
+
+
+def _breaks(
+    entry: Entry, now: datetime, dead: frozenset[str], break_live: bool
+) -> tuple[set[str], list[str]]:
+    """Running leases of ``entry`` that an operator's action takes: those of ``dead``
+    owners (not present) and, with ``break_live``, every one; with a note each."""
+    taken: set[str] = set()
+    notes: list[str] = []
+    for d, lease in sorted(entry.leases.items()):
+        if lease.until <= now:
+            continue
+        if lease.owner in dead:
+            taken.add(d)
+            notes.append(f"{d}: lease of {lease.owner} broken (that worker is not present)")
+        elif break_live:
+            taken.add(d)
+            notes.append(f"{d}: live lease of {lease.owner} broken: {BREAK_WARNING}")
+    return taken, notes
+
+
+def flushed(
+    entry: Entry,
+    now: datetime,
+    domain: str | None = None,
+    *,
+    dead: frozenset[str] = frozenset(),
+    break_live: bool = False,
+) -> tuple[Entry | None, str]:
     """Make the open recipients (of ``domain``, or all) due ``now`` under a new generation.
 
     What ``postqueue -f`` / ``-i`` / ``-s`` does (DESIGN.md §4): the caller writes the new
@@ -313,6 +376,9 @@ def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Ent
       ``<domain>: leased by <owner> until <time> UTC, tried then ...``: if that worker died,
       the destination is tried when the lease runs out; if it lives, its outcome sets the
       next attempt.
+    * a running lease of an owner in ``dead`` (not present: no heartbeat within the
+      grace, so nobody is mid-transaction) is broken, and with ``break_live`` every running
+      lease is, the detail warning that the message may be sent twice.
     * a lease that has run out (its worker died or gave up) is dropped and its active
       recipients become pending (deferred after an attempt) and due ``now``, as a worker's
       own claim would override it. A worker that claims the destination meanwhile wins the
@@ -322,6 +388,8 @@ def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Ent
         entry: the entry as read.
         now: the current time, aware UTC.
         domain: only recipients of this routing domain (A-label); all when None.
+        dead: lease owners known not to be present.
+        break_live: break running leases of live owners too (``--break-lease``).
 
     Returns:
         ``(new entry, detail)``: the detail counts the recipients made due and names every
@@ -338,8 +406,14 @@ def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Ent
     }
     if not wanted:
         return None, "nothing to deliver"
-    live = {d: lease for d, lease in entry.leases.items() if d in wanted and lease.until > now}
-    notes = [
+    taken, broken = _breaks(entry, now, dead, break_live)
+    live = {
+        d: lease
+        for d, lease in entry.leases.items()
+        if d in wanted and lease.until > now and d not in taken
+    }
+    notes = [*(n for n in broken if n.split(":")[0] in wanted)]
+    notes += [
         f"{d}: leased by {lease.owner} until {_at(lease.until)} UTC, tried then if that worker "
         "is gone (a running lease is never broken: its worker may be mid-delivery)"
         for d, lease in sorted(live.items())
@@ -353,13 +427,51 @@ def flushed(entry: Entry, now: datetime, domain: str | None = None) -> tuple[Ent
         ran_out = new.leases.get(d)
         if ran_out is not None:
             new = release(new, d)
-            notes.insert(0, f"{d}: lease of {ran_out.owner} expired {_at(ran_out.until)} UTC")
+            if d not in taken:
+                notes.insert(0, f"{d}: lease of {ran_out.owner} expired {_at(ran_out.until)} UTC")
     count = 0
     for r in new.recipients:
         if not r.state.is_final and r.domain in free:
             r.next_attempt_at = now
             count += 1
     return new, "; ".join([f"{count} recipient(s) due now", *notes])
+
+
+def requeued(
+    entry: Entry, now: datetime, *, dead: frozenset[str] = frozenset()
+) -> tuple[Entry | None, str]:
+    """Requeue (``postsuper -r``): drop every lease, make every open recipient pending
+    again (deferred when tried before; attempts kept) and due ``now`` under a new
+    generation; the caller publishes new work items. A running lease of a live owner (not
+    in ``dead``) is broken too, and the detail warns that the message may be sent twice
+    (RFC 5321 §6.1). Held entries stay held (release them). Pure.
+
+    Args:
+        entry: the entry as read.
+        now: the current time, aware UTC.
+        dead: lease owners known not to be present.
+
+    Returns:
+        ``(new entry, detail)``; ``(None, reason)`` when held or nothing is open.
+        Idempotent up to the generation, which every applied requeue bumps.
+    """
+    if entry.held:
+        return None, "held: release it instead"
+    open_domains = {r.domain for r in entry.recipients if not r.state.is_final}
+    if not open_domains:
+        return None, "nothing to deliver"
+    _, notes = _breaks(entry, now, dead, True)
+    new = _copy(entry)
+    new.generation += 1
+    for d in list(new.leases):
+        new = release(new, d)
+    count = 0
+    for r in new.recipients:
+        if not r.state.is_final:
+            r.state = RecipientState.DEFERRED if r.attempts else RecipientState.PENDING
+            r.next_attempt_at = now
+            count += 1
+    return new, "; ".join([f"{count} recipient(s) requeued, due now", *notes])
 
 
 def held(entry: Entry) -> tuple[Entry | None, str]:

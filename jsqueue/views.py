@@ -24,6 +24,7 @@ class Action(StrEnum):
     RELEASE = "release"
     DELETE = "delete"
     BOUNCE = "bounce"
+    REQUEUE = "requeue"
 
 
 class Outcome(StrEnum):

@@ -40,7 +40,7 @@ from jsqueue.events import (
 )
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
-from jsqueue.store import cas, layout
+from jsqueue.store import cas, layout, presence
 from jsqueue.store.base import Due, Stores, Versioned
 
 log = logging.getLogger("jsqueue.worker")
@@ -103,7 +103,9 @@ class Worker:
         settings: worker settings (concurrency, batch, lease, drain bound).
         policy: retry policy for ordinary mail.
         dsn_policy: retry policy for DSNs (shorter lifetime).
-        owner: lease owner name; host name + random suffix when omitted.
+        owner: lease owner name; ``settings.lease_owner``, else the host name, when
+            omitted. With a presence store, :meth:`run` adds a random suffix when another
+            live worker uses the name (see :meth:`take_name`).
         clock: returns the current aware UTC time (tests pass a fake clock).
         rng: jitter source (retry delays, compare-and-set pauses).
         ack_wait_s: the work consumer's ack wait, seconds: the heartbeat keeps a long
@@ -132,7 +134,11 @@ class Worker:
         self.settings = settings
         self.policy = policy
         self.dsn_policy = dsn_policy or policy
-        self.owner = owner or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.owner = owner or settings.lease_owner or socket.gethostname()
+        #: this process's id in the presence bucket (tells a restart from a live namesake)
+        self.instance = uuid.uuid4().hex
+        #: (queue id, domain) this process is claiming or delivering: its in-flight set
+        self._busy: set[tuple[str, str]] = set()
         self.clock = clock
         self.rng = rng or random.Random()
         self.ack_wait_s = ack_wait_s
@@ -154,6 +160,18 @@ class Worker:
             idle_exit_s: return once nothing was due and nothing was in flight for this many
                 seconds (burst mode, for tests and one-shot runs); None = run until stopped.
         """
+        await self.take_name()
+        beats = asyncio.create_task(self._presence_beats())
+        try:
+            await self._loop(stop, idle_exit_s)
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+        if self.stores.presence is not None:
+            await self.stores.presence.leave(self.owner)
+
+    async def _loop(self, stop: asyncio.Event, idle_exit_s: float | None) -> None:
         idle_since: float | None = None
         loop = asyncio.get_running_loop()
         while not stop.is_set():
@@ -180,6 +198,38 @@ class Worker:
                     break
         await self.drain()
         await self.deliverer.close()
+
+    # ------------------------------------------------------------------ presence
+
+    async def take_name(self) -> None:
+        """Register :attr:`owner` in the presence bucket before any claim; a name a live
+        worker uses becomes ``<name>-<random>`` (:func:`jsqueue.store.presence.take_name`).
+        Without a presence store nothing happens.
+
+        Raises:
+            StoreUnavailable: the presence bucket cannot be read or written.
+        """
+        if self.stores.presence is not None:
+            grace_s = self.settings.presence_grace_s
+            self.owner = await presence.take_name(
+                self.stores.presence, self.owner, self.instance, grace_s
+            )
+
+    async def _presence_beats(self) -> None:
+        """Keep our presence alive (every ``presence_grace_s / 3`` seconds)."""
+        if self.stores.presence is not None:
+            grace_s = self.settings.presence_grace_s
+            await presence.keep_alive(self.stores.presence, self.owner, self.instance, grace_s)
+
+    async def _dead(self, owner: str) -> bool:
+        """Whether lease owner ``owner`` is not present (one read; False without a presence
+        store or when the read fails: a lease is only taken from a worker known dead)."""
+        if self.stores.presence is None:
+            return False
+        try:
+            return await self.stores.presence.seen(owner) is None
+        except StoreUnavailable:
+            return False
 
     async def drain(self) -> None:
         """Finish in-flight deliveries within the drain bound; give back the rest."""
@@ -246,7 +296,23 @@ class Worker:
             v = None if isinstance(read, cas.Gone) else read
             deleted = isinstance(read, cas.Gone) and read.deleted
             now = self.clock()
-            verdict = state.check(v.entry if v else None, item, now, deleted=deleted)
+            key = (item.queue_id, item.domain)
+            entry = v.entry if v else None
+            verdict = state.check(
+                entry, item, now, deleted=deleted, owner=self.owner, delivering=key in self._busy
+            )
+            dead: str | None = None
+            if verdict.leased_by is not None and await self._dead(verdict.leased_by):
+                dead, now = verdict.leased_by, self.clock()
+                verdict = state.check(
+                    entry,
+                    item,
+                    now,
+                    deleted=deleted,
+                    owner=self.owner,
+                    delivering=key in self._busy,
+                    dead_owner=dead,
+                )
             if verdict.verdict is state.Verdict.DROP:
                 log.debug("queue %s %s: drop (%s)", item.queue_id, item.domain, verdict.reason)
                 if v is not None:
@@ -255,7 +321,12 @@ class Worker:
                 return
             if verdict.verdict is state.Verdict.LATER:
                 log.debug("queue %s %s: %s", item.queue_id, item.domain, verdict.reason)
-                await due.retry(verdict.delay_s)
+                delay_s = verdict.delay_s
+                if verdict.leased_by is not None and self.stores.presence is not None:
+                    # Another owner's lease: look at its presence again within the grace,
+                    # so that a worker dying now does not hold the mail for a whole lease.
+                    delay_s = min(delay_s, self.settings.presence_grace_s)
+                await due.retry(delay_s)
                 return
             assert v is not None
             expired = state.expire_all(v.entry, item.domain, now, self._policy(v.entry))
@@ -267,11 +338,33 @@ class Worker:
                     await self._finish(v)
                     await due.ack()
                     return
+                if key in self._busy:  # another task of ours claimed it meanwhile
+                    await due.retry(1.0)
+                    return
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
-                v = await self._update(claimed, v.revision)
+                old = v.entry.leases.get(item.domain)
+                self._busy.add(key)
+                try:
+                    v = await self._update(claimed, v.revision)
+                except BaseException:
+                    self._busy.discard(key)
+                    raise
             except RevisionConflict:
                 continue
-            await self._attempt(due, v)
+            if old is not None and old.until > now:
+                whose = "dead worker" if dead else "earlier process of this worker"
+                log.warning(
+                    "queue %s %s: took over the lease of %s %s (until %s)",
+                    item.queue_id,
+                    item.domain,
+                    whose,
+                    old.owner,
+                    old.until.isoformat(),
+                )
+            try:
+                await self._attempt(due, v)
+            finally:
+                self._busy.discard(key)
             return
         await due.retry(1.0)
 

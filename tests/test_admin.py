@@ -448,6 +448,9 @@ async def test_flush_of_an_entry_leased_by_a_dead_worker(queue_harness: Harness)
     domain = "dest.example.test"
     async with SmtpdMx("127.0.2.20", h.mx_port) as mx:
         qid = await h.submit(MESSAGE, [RCPT])
+        # Its presence mark has not expired yet (within the grace it counts as alive).
+        assert h.stores.presence is not None
+        await h.stores.presence.beat("dead-worker", "gone-process", 600.0)
         v = await h.stores.entries.get(qid)
         claimed = claim(v.entry, domain, "dead-worker", utcnow(), 600.0)
         revision = await h.stores.entries.update(claimed, v.revision)

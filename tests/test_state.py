@@ -26,6 +26,7 @@ from jsqueue.state import (
     release,
     released_from_hold,
     renewed,
+    requeued,
     settled,
 )
 
@@ -319,3 +320,40 @@ def test_hold_gives_back_only_the_owners_lease() -> None:
     theirs = hold(e, "mixed.example.test", "w2", "too large")
     assert theirs.held and "mixed.example.test" in theirs.leases
     assert not e.held, "the input is not changed"
+
+
+def test_own_lease_of_an_earlier_process_and_a_dead_owners_lease_are_free() -> None:
+    """Issue item 4: a running lease whose owner is the checking worker but that it is not
+    delivering (it restarted) counts as free; so does one whose owner is known dead; the
+    lease of another, present owner names that owner for a presence look-up."""
+    e = make_entry("a@mixed.example.test")
+    item = WorkItem(e.id, "mixed.example.test", 0)
+    claimed = claim(e, "mixed.example.test", "pod-a", T0, lease_s=600)
+    at = T0 + timedelta(seconds=10)
+    assert check(claimed, item, at, owner="pod-a").verdict is Verdict.DELIVER
+    busy = check(claimed, item, at, owner="pod-a", delivering=True)
+    assert busy.verdict is Verdict.LATER and busy.leased_by is None
+    other = check(claimed, item, at, owner="pod-b")
+    assert other.verdict is Verdict.LATER and other.leased_by == "pod-a"
+    assert check(claimed, item, at, owner="pod-b", dead_owner="pod-a").verdict is Verdict.DELIVER
+    assert check(claimed, item, at, owner="pod-b", dead_owner="pod-c").verdict is Verdict.LATER
+
+
+def test_flush_breaks_dead_and_forced_leases_and_requeue_keeps_attempts() -> None:
+    """A flush breaks the running lease of an owner that is not present, and a live one
+    only when asked (with the warning); a requeue drops every lease, keeps attempts."""
+    e = make_entry("a@mixed.example.test")
+    e.recipients[0].attempts = 2
+    claimed = claim(e, "mixed.example.test", "pod-a", T0, lease_s=600)
+    at = T0 + timedelta(seconds=10)
+    kept, why = flushed(claimed, at)
+    assert kept is None and "pod-a" in why
+    dead, why = flushed(claimed, at, dead=frozenset({"pod-a"}))
+    assert dead is not None and not dead.leases and "not present" in why
+    forced, why = flushed(claimed, at, break_live=True)
+    assert forced is not None and not forced.leases and "sent twice" in why
+    again, why = requeued(claimed, at)
+    assert again is not None and not again.leases and "sent twice" in why
+    r = again.recipients[0]
+    assert r.attempts == 2 and r.state is RecipientState.DEFERRED and r.next_attempt_at == at
+    assert again.generation == claimed.generation + 1

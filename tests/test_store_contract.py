@@ -741,3 +741,27 @@ async def test_jetstream_body_reads_create_no_consumers(js_stores: Stores) -> No
     assert isinstance(bodies, JetStreamBodyStore)
     info = await bodies.js.stream_info(bodies.stream)
     assert info.state.consumer_count == 0
+
+
+async def test_presence_marks_expire_and_first_write_finds_a_live_name(stores: Stores) -> None:
+    """Presence (issue item 4): a beat is seen with its process and a revision that changes
+    at every beat; a first write of a live name is refused; a mark expires after its time to
+    live, and leave removes it at once."""
+    presence = stores.presence
+    assert presence is not None
+    assert await presence.seen("pod-a") is None
+    assert await presence.beat("pod-a", "p1", 1.0, first=True)
+    first = await presence.seen("pod-a")
+    assert first is not None and first.instance == "p1"
+    assert not await presence.beat("pod-a", "p2", 1.0, first=True)
+    assert await presence.beat("pod-a", "p1", 1.0)
+    second = await presence.seen("pod-a")
+    assert second is not None and second.revision != first.revision
+    for _ in range(50):  # the 1 s time to live runs out (polled; no event to wait for)
+        if await presence.seen("pod-a") is None:
+            break
+        await asyncio.sleep(0.1)
+    assert await presence.seen("pod-a") is None
+    assert await presence.beat("pod-a", "p2", 30.0, first=True)
+    await presence.leave("pod-a")
+    assert await presence.seen("pod-a") is None

@@ -40,6 +40,7 @@ from jsqueue.errors import BodyNotFound, ConfigError, EntryNotFound, InvalidName
 from jsqueue.events import EventKind, tail
 from jsqueue.logs import setup_logging
 from jsqueue.names import check_queue_id
+from jsqueue.state import BREAK_WARNING
 from jsqueue.views import Action, EntrySummary, Outcome
 
 app = typer.Typer(
@@ -434,6 +435,7 @@ def _bulk(
     flt: EntryFilter,
     all_: bool,
     as_json: bool,
+    break_lease: bool = False,
 ) -> None:
     """Run ``action`` on the given ids, or on every entry the filter (or --all) selects;
     ``-`` as the only id reads the ids from standard input (like ``postsuper -d -``).
@@ -452,6 +454,11 @@ def _bulk(
         _fail("give queue ids or a filter / --all, not both", 2)
     if not ids and not all_ and flt.is_empty:
         _fail("give queue ids, a filter (--state, --domain, --sender, --min-age...) or --all", 2)
+    if break_lease or action is Action.REQUEUE:
+        typer.echo(
+            f"warning: {action.value} breaks the leases of live workers: {BREAK_WARNING}",
+            err=True,
+        )
     settings = _settings()
     exit_code = 0
 
@@ -467,10 +474,14 @@ def _bulk(
                     length=len(queue_ids), label=action.value, file=sys.stderr
                 ) as bar:
                     result = await adm.apply(
-                        action, queue_ids, domain=domain, progress=lambda done, total: bar.update(1)
+                        action,
+                        queue_ids,
+                        domain=domain,
+                        break_lease=break_lease,
+                        progress=lambda done, total: bar.update(1),
                     )
             else:
-                result = await adm.apply(action, queue_ids, domain=domain)
+                result = await adm.apply(action, queue_ids, domain=domain, break_lease=break_lease)
         if as_json:
             _echo_json(result)
         else:
@@ -509,7 +520,16 @@ _BULK_HELP = {
     Action.RELEASE: "Release held entries and deliver them now.",
     Action.DELETE: "Delete entries with their bodies and work items; no DSN is sent.",
     Action.BOUNCE: "Bounce every open recipient (550 5.7.1) and send the DSN to the sender.",
+    Action.REQUEUE: "Requeue (postsuper -r): drop leases, due now, attempts kept. A live "
+    "worker's transaction cannot be recalled: the message may be sent twice.",
 }
+BreakLeaseOption = Annotated[
+    bool,
+    typer.Option(
+        "--break-lease",
+        help="Also break live workers' leases (the message may be sent twice, RFC 5321 §6.1).",
+    ),
+]
 
 
 def _register_bulk(action: Action) -> None:
@@ -527,8 +547,23 @@ def _register_bulk(action: Action) -> None:
     ) -> None:
         _bulk(action, ids, _filter(states, domain, sender, min_age, max_age), all_, as_json)
 
-    command.__doc__ = _BULK_HELP[action]
-    queue_app.command(action.value)(command)
+    def flush_command(
+        ids: IdsArgument = None,
+        states: StateOption = None,
+        domain: DomainOption = None,
+        sender: SenderOption = None,
+        min_age: MinAgeOption = None,
+        max_age: MaxAgeOption = None,
+        all_: AllOption = False,
+        as_json: JsonOption = False,
+        break_lease: BreakLeaseOption = False,
+    ) -> None:
+        flt = _filter(states, domain, sender, min_age, max_age)
+        _bulk(action, ids, flt, all_, as_json, break_lease)
+
+    chosen = flush_command if action is Action.FLUSH else command
+    chosen.__doc__ = _BULK_HELP[action]
+    queue_app.command(action.value)(chosen)
 
 
 for _action in Action:

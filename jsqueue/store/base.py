@@ -428,12 +428,58 @@ class Lock(Protocol):
 
 
 @dataclass(frozen=True)
+class PresenceMark:
+    """A worker's presence as read: which process wrote it (``instance``) and the write's
+    revision (it changes at every heartbeat)."""
+
+    instance: str
+    revision: int
+
+
+class Presence(Protocol):
+    """Which lease owners are alive: each worker re-writes its owner name's key every
+    grace/3 with a time to live of the grace, so a key that is gone means a dead (or
+    stopped) worker. JetStream: :mod:`jsqueue.store.jetstream.presence`."""
+
+    async def beat(self, owner: str, instance: str, ttl_s: float, *, first: bool = False) -> bool:
+        """Write ``owner``'s presence (by process ``instance``) to live ``ttl_s`` seconds.
+
+        Args:
+            owner: the lease owner name.
+            instance: this process's random id.
+            ttl_s: seconds until the mark expires without another beat (rounded up).
+            first: create only if absent (a name taken meanwhile answers False).
+
+        Returns:
+            False only for a ``first`` write that found the name present. Idempotent
+            otherwise.
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def seen(self, owner: str) -> PresenceMark | None:
+        """``owner``'s live mark, None when it is not present (one read).
+
+        Raises:
+            StoreUnavailable.
+        """
+        ...
+
+    async def leave(self, owner: str) -> None:
+        """Remove ``owner``'s mark (graceful stop). Best effort, never raises."""
+        ...
+
+
+@dataclass(frozen=True)
 class Stores:
     """One backend's body store, entry store and scheduler, plus how to close them.
 
     ``ingest`` is optional: without it the front end accepts resent messages as new ones.
     ``lock`` makes a cluster-wide lock (name, TTL seconds), provisioned; None where the
     backend serves one process only (memory), whose process then holds every lock.
+    ``presence`` is optional: without it no lease of another owner is ever taken over.
     """
 
     bodies: BodyStore
@@ -442,6 +488,7 @@ class Stores:
     close: Callable[[], Awaitable[None]]
     ingest: IngestLog | None = None
     lock: Callable[[str, float], Awaitable[Lock]] | None = None
+    presence: Presence | None = None
 
 
 def encode_entry(entry: Entry, max_size: int) -> bytes:

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterable
 from datetime import datetime
@@ -29,6 +30,7 @@ from jsqueue.names import check_domain, check_queue_id
 from jsqueue.store.base import (
     BodyInfo,
     Due,
+    PresenceMark,
     Stores,
     Versioned,
     check_ingest_key,
@@ -374,6 +376,40 @@ class MemoryIngestLog:
             self._records.popitem(last=False)
 
 
+class MemoryPresence:
+    """:class:`~jsqueue.store.base.Presence` in a dict: owner -> (instance, revision, expiry
+    on the event loop's clock)."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, tuple[str, int, float]] = {}
+        self._revision = 0
+
+    def _live(self, owner: str) -> tuple[str, int, float] | None:
+        mark = self._marks.get(owner)
+        if mark is not None and mark[2] <= asyncio.get_running_loop().time():
+            del self._marks[owner]
+            return None
+        return mark
+
+    async def beat(self, owner: str, instance: str, ttl_s: float, *, first: bool = False) -> bool:
+        """See :meth:`Presence.beat`."""
+        if first and self._live(owner) is not None:
+            return False
+        self._revision += 1
+        expiry = asyncio.get_running_loop().time() + math.ceil(ttl_s)
+        self._marks[owner] = (instance, self._revision, expiry)
+        return True
+
+    async def seen(self, owner: str) -> PresenceMark | None:
+        """See :meth:`Presence.seen`."""
+        mark = self._live(owner)
+        return None if mark is None else PresenceMark(mark[0], mark[1])
+
+    async def leave(self, owner: str) -> None:
+        """See :meth:`Presence.leave`."""
+        self._marks.pop(owner, None)
+
+
 def open_memory(ack_wait_s: float = 30.0) -> Stores:
     """A fresh in-memory body store, entry store, scheduler and ingest log."""
 
@@ -386,4 +422,5 @@ def open_memory(ack_wait_s: float = 30.0) -> Stores:
         MemoryScheduler(ack_wait_s),
         _close,
         MemoryIngestLog(),
+        presence=MemoryPresence(),
     )

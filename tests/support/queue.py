@@ -62,6 +62,8 @@ def test_settings(
         "body_cache_dir": cache_dir,
         "concurrency": 8,
         "ehlo_name": REPORTING_MTA,
+        # short: a second worker of this host (same lease owner name) starts within ~1 s
+        "presence_grace_s": 3.0,
     }
     worker.update(sections.pop("worker", {}))  # type: ignore[call-overload]
     retry = {"base_s": 1.0, "factor": 1.0, "jitter": 0.0, "max_age_s": 3600.0}

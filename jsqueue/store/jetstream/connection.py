@@ -24,6 +24,7 @@ from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.store.jetstream.ingest import JetStreamIngestLog
 from jsqueue.store.jetstream.lock import JetStreamLock
+from jsqueue.store.jetstream.presence import JetStreamPresence
 from jsqueue.store.jetstream.provisioning import provision
 from jsqueue.store.jetstream.work import JetStreamScheduler
 
@@ -194,7 +195,8 @@ async def open_jetstream(
         await held.provision()
         return held
 
-    return Stores(bodies, entries, scheduler, close, ingest, lock)
+    presence = JetStreamPresence(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
+    return Stores(bodies, entries, scheduler, close, ingest, lock=lock, presence=presence)
 
 
 async def queue_backlog(

@@ -1,0 +1,64 @@
+"""A worker's presence, on any :class:`~jsqueue.store.base.Presence`: taking a lease owner
+name at start (:func:`take_name`) and keeping it alive (:func:`keep_alive`). No delivery
+logic: the worker decides what a present or absent owner means for a lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from jsqueue.errors import StoreUnavailable
+from jsqueue.store.base import Presence
+
+log = logging.getLogger("jsqueue.worker")
+
+
+async def take_name(presence: Presence, owner: str, instance: str, grace_s: float) -> str:
+    """Register ``owner`` for process ``instance``; return the name actually taken.
+
+    A mark of ``owner`` written by another process is watched for up to ``grace_s`` (+1)
+    seconds: when it expires, that process is dead (a restart after a crash) and the name,
+    with its leases, is taken; when it is beaten again, a live worker uses the name, and
+    ``<owner>-<random>`` is taken instead, with a warning (never a live worker's leases).
+    Every wait polls at most every 0.2 s.
+
+    Raises:
+        StoreUnavailable: the presence bucket cannot be read or written.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s + 1.0
+    mark = await presence.seen(owner)
+    live = False
+    while mark is not None and mark.instance != instance and loop.time() < deadline:
+        await asyncio.sleep(min(0.2, grace_s / 10))
+        now_mark = await presence.seen(owner)
+        if now_mark is None:
+            mark = None
+        elif now_mark.revision != mark.revision:
+            live = True
+            break
+    name = owner
+    if live or not await presence.beat(owner, instance, grace_s, first=True):
+        name = f"{owner}-{uuid.uuid4().hex[:8]}"
+        log.warning(
+            "lease owner %s is used by a live worker; running as %s (set "
+            "worker.lease_owner to a unique name per worker)",
+            owner,
+            name,
+        )
+        await presence.beat(name, instance, grace_s)
+    log.info("lease owner %s present (grace %.0f s)", name, grace_s)
+    return name
+
+
+async def keep_alive(presence: Presence, owner: str, instance: str, grace_s: float) -> None:
+    """Re-write ``owner``'s mark every ``grace_s / 3`` seconds until cancelled; a failed
+    beat is logged and tried again at the next."""
+    while True:
+        await asyncio.sleep(grace_s / 3)
+        try:
+            await presence.beat(owner, instance, grace_s)
+        except StoreUnavailable as e:
+            log.warning("presence heartbeat failed: %s", e)
