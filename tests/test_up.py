@@ -113,8 +113,8 @@ async def test_ctrl_c_reaches_jsqueue_which_stops_its_nats_server_after_draining
         assert code == 0, err[-2000:]
         assert "Traceback" not in err and "exited unexpectedly" not in err
         assert not _running(nats_pid), "jsqueue stopped its nats-server"
-        # the worker's lease owner name is logged, so `queue flush` output can be traced
-        assert re.search(r"jsqueue running \(smtp=True, worker=True, lease owner=\S+-\w{8}\)", err)
+        # the worker's lease owner name (worker.lease_owner) is logged, for `queue flush`
+        assert re.search(r"jsqueue running \(smtp=True, worker=True, lease owner=\S+\)", err)
     finally:
         if proc.returncode is None:
             proc.kill()
