@@ -15,18 +15,16 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import api
 
-from jsqueue.errors import ProvisioningError, StoreUnavailable
-from jsqueue.names import Names, kv_subject, kv_subjects
+from jsqueue.errors import StoreUnavailable
+from jsqueue.names import Names, kv_subject
 from jsqueue.store.jetstream.api import (
     HDR_EXPECTED_LAST_SUBJ_SEQ,
     HDR_KV_OP,
     HDR_TTL,
     NATS_FAILURES,
     WRONG_LAST_SEQ,
-    ApiError,
-    ErrCode,
-    api_request,
 )
+from jsqueue.store.jetstream.provisioning import ensure_ttl_bucket
 
 
 class JetStreamLock:
@@ -84,39 +82,13 @@ class JetStreamLock:
             ProvisioningError: the server refused to create or update it.
             StoreUnavailable: no answer, or the connection failed.
         """
-        wanted = {
-            "name": self.stream,
-            "subjects": [kv_subjects(self.bucket)],
-            "retention": "limits",
-            "storage": "file",
-            "num_replicas": self.replicas,
-            "discard": "new",
-            "max_msgs_per_subject": 1,
-            "allow_rollup_hdrs": True,
-            "deny_delete": True,
-            "allow_direct": True,
-            "allow_msg_ttl": True,
-        }
-        try:
-            info = await api_request(self._nc, f"STREAM.INFO.{self.stream}", None, self._timeout_s)
-        except ApiError as e:
-            if e.code != 404:
-                raise ProvisioningError(f"stream {self.stream}: {e}") from e
-            try:
-                await api_request(self._nc, f"STREAM.CREATE.{self.stream}", wanted, self._timeout_s)
-                return
-            except ApiError as ce:
-                if ce.err_code == ErrCode.STREAM_NAME_IN_USE:  # created concurrently
-                    return
-                raise ProvisioningError(f"stream {self.stream}: cannot create: {ce}") from ce
-        config = info["config"]
-        if config.get("num_replicas") != self.replicas or not config.get("allow_msg_ttl"):
-            try:
-                await api_request(
-                    self._nc, f"STREAM.UPDATE.{self.stream}", {**config, **wanted}, self._timeout_s
-                )
-            except ApiError as e:
-                raise ProvisioningError(f"stream {self.stream}: cannot update: {e}") from e
+        await ensure_ttl_bucket(
+            self._nc,
+            self.bucket,
+            self.stream,
+            replicas=self.replicas,
+            timeout_s=self._timeout_s,
+        )
 
     async def _current(self) -> api.RawStreamMsg | None:
         try:

@@ -13,8 +13,8 @@ import math
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
-from jsqueue.errors import ProvisioningError, StoreUnavailable
-from jsqueue.names import Names, kv_subject, kv_subjects, presence_key
+from jsqueue.errors import StoreUnavailable
+from jsqueue.names import Names, kv_subject, presence_key
 from jsqueue.store.base import PresenceMark
 from jsqueue.store.jetstream.api import (
     HDR_EXPECTED_LAST_SUBJ_SEQ,
@@ -22,10 +22,8 @@ from jsqueue.store.jetstream.api import (
     HDR_TTL,
     NATS_FAILURES,
     WRONG_LAST_SEQ,
-    ApiError,
-    ErrCode,
-    api_request,
 )
+from jsqueue.store.jetstream.provisioning import ensure_ttl_bucket
 
 #: Upper bound of any presence mark's life, seconds (the bucket's ``max_age``).
 MAX_GRACE_S = 3600
@@ -59,30 +57,14 @@ class JetStreamPresence:
             ProvisioningError: the server refused to create it.
             StoreUnavailable.
         """
-        wanted = {
-            "name": self.stream,
-            "subjects": [kv_subjects(self.bucket)],
-            "retention": "limits",
-            "storage": "file",
-            "num_replicas": self.replicas,
-            "discard": "new",
-            "max_msgs_per_subject": 1,
-            "max_age": MAX_GRACE_S * 1_000_000_000,
-            "allow_rollup_hdrs": True,
-            "deny_delete": True,
-            "allow_direct": True,
-            "allow_msg_ttl": True,
-        }
-        try:
-            await api_request(self._nc, f"STREAM.INFO.{self.stream}", None, self._timeout_s)
-        except ApiError as e:
-            if e.code != 404:
-                raise ProvisioningError(f"stream {self.stream}: {e}") from e
-            try:
-                await api_request(self._nc, f"STREAM.CREATE.{self.stream}", wanted, self._timeout_s)
-            except ApiError as ce:
-                if ce.err_code != ErrCode.STREAM_NAME_IN_USE:  # created concurrently
-                    raise ProvisioningError(f"stream {self.stream}: cannot create: {ce}") from ce
+        await ensure_ttl_bucket(
+            self._nc,
+            self.bucket,
+            self.stream,
+            replicas=self.replicas,
+            timeout_s=self._timeout_s,
+            max_age_s=MAX_GRACE_S,
+        )
         self._provisioned = True
 
     async def beat(self, owner: str, instance: str, ttl_s: float, *, first: bool = False) -> bool:

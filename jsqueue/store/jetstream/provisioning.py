@@ -320,3 +320,66 @@ async def provision(nc: NATS, settings: NatsSettings, names: Names) -> None:
         disposable = wanted["name"] == names.ingest_stream
         await _ensure_stream(nc, wanted, timeout_s, disposable=disposable)
     await _ensure_consumer(nc, names.work_stream, _consumer_config(settings, names), timeout_s)
+
+
+async def ensure_ttl_bucket(
+    nc: NATS,
+    bucket: str,
+    stream: str,
+    *,
+    replicas: int,
+    timeout_s: float,
+    max_age_s: float | None = None,
+) -> None:
+    """Create the KV bucket ``bucket`` (stream ``stream``) whose keys live by a TTL per
+    write (``Nats-TTL``, ``allow_msg_ttl``): the locks and the presence bucket. An existing
+    one is brought in line (replica count, TTLs allowed, ``max_age``). Idempotent and safe
+    from many processes at once.
+
+    Args:
+        nc: a connected client.
+        bucket: the KV bucket name.
+        stream: its stream (``KV_<bucket>``).
+        replicas: replica count.
+        timeout_s: per-request timeout, seconds.
+        max_age_s: longest life of any key, seconds; unbounded when None.
+
+    Raises:
+        ProvisioningError: the server refused to create or update it.
+        StoreUnavailable: NATS is not reachable.
+    """
+    wanted: dict[str, Any] = {
+        "name": stream,
+        "subjects": [kv_subjects(bucket)],
+        "retention": "limits",
+        "storage": "file",
+        "num_replicas": replicas,
+        "discard": "new",
+        "max_msgs_per_subject": 1,
+        "allow_rollup_hdrs": True,
+        "deny_delete": True,
+        "allow_direct": True,
+        "allow_msg_ttl": True,
+    }
+    if max_age_s is not None:
+        wanted["max_age"] = int(max_age_s * 1_000_000_000)
+    try:
+        info = await api_request(nc, f"STREAM.INFO.{stream}", None, timeout_s)
+    except ApiError as e:
+        if e.code != 404:
+            raise ProvisioningError(f"stream {stream}: {e}") from e
+        try:
+            await api_request(nc, f"STREAM.CREATE.{stream}", wanted, timeout_s)
+            return
+        except ApiError as ce:
+            if ce.err_code == ErrCode.STREAM_NAME_IN_USE:  # created concurrently
+                return
+            raise ProvisioningError(f"stream {stream}: cannot create: {ce}") from ce
+    config = info["config"]
+    if any(config.get(k) != wanted[k] for k in ("num_replicas", "allow_msg_ttl")) or (
+        "max_age" in wanted and config.get("max_age") != wanted["max_age"]
+    ):
+        try:
+            await api_request(nc, f"STREAM.UPDATE.{stream}", {**config, **wanted}, timeout_s)
+        except ApiError as e:
+            raise ProvisioningError(f"stream {stream}: cannot update: {e}") from e
