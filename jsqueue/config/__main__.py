@@ -1,0 +1,5 @@
+"""``python -m jsqueue.config`` prints the settings reference (``docs/configuration.md``)."""
+
+from jsqueue.config.reference import settings_reference
+
+print(settings_reference(), end="")

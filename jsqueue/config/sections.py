@@ -1,0 +1,312 @@
+"""The settings sections (one pydantic model per TOML table), their enums and validators."""
+
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from ipaddress import IPv4Network, IPv6Network, ip_address
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+)
+
+CONFIG_ENV = "JSQUEUE_CONFIG"
+
+
+class TlsPolicy(StrEnum):
+    """Outbound STARTTLS policy (RFC 3207; RFC 7435 opportunistic security)."""
+
+    NEVER = "never"
+    OPPORTUNISTIC = "opportunistic"
+    REQUIRED = "required"
+    VERIFY = "required-with-verification"
+
+
+class BareLinePolicy(StrEnum):
+    """What the front end does with a bare CR or bare LF in DATA (RFC 5321 §2.3.8)."""
+
+    REJECT = "reject"
+    ACCEPT = "accept"
+
+
+class _Section(BaseModel):
+    """A settings section: unknown keys are errors (a typo in a TOML file or a
+    ``JSQUEUE_<SECTION>__<NAME>`` variable must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: object, info: ValidationInfo) -> object:
+        """``true``/``false`` (TOML, JSON) is not a number; pydantic would read it as 1/0.
+
+        Raises:
+            ValueError: a boolean given for an int or float setting.
+        """
+        numeric = info.field_name is not None and cls.model_fields[info.field_name].annotation in (
+            int,
+            float,
+        )
+        if isinstance(value, bool) and numeric:
+            raise ValueError("expected a number, not true/false")
+        return value
+
+
+def _int_text(value: object) -> object:
+    """Environment values arrive as text, and ``"3"`` is not ``Literal[1, 3]``."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+Replicas = Annotated[Literal[1, 3], BeforeValidator(_int_text)]
+
+#: A host name label: letters, digits, hyphens (RFC 1123 §2.1), and the underscore some
+#: private name services use (e.g. container names).
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _host(value: object) -> object:
+    """A host name (RFC 1123 §2.1: LDH labels, not dotted-decimal) or an IP address without
+    brackets; anything else (empty, ``host:port``, ``[addr]``, a URL) is refused here
+    rather than found at the first connection or bind.
+
+    Raises:
+        ValueError: not a host name or IP address (empty, longer than 253 characters, all
+            labels numeric, a label outside LDH, ``host:port``, ``[addr]`` or a URL).
+    """
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        ip_address(text)
+    except ValueError:
+        pass
+    else:
+        return text
+    labels = text.rstrip(".").split(".")
+    numeric = all(label.isdigit() for label in labels)
+    if not text or len(text) > 253 or numeric or not all(map(_LABEL.fullmatch, labels)):
+        if "://" in text:
+            hint = "; a host, not a URL"
+        elif text.startswith("["):
+            hint = "; an address without brackets" + (
+                "; the port is a setting of its own" if "]:" in text else ""
+            )
+        elif ":" in text:
+            hint = "; the port is a setting of its own"
+        else:
+            hint = "" if text else " (empty)"
+        raise ValueError(f"not a host name or IP address: {value!r}{hint}")
+    return text
+
+
+Host = Annotated[str, BeforeValidator(_host)]
+
+
+class NatsSettings(_Section):
+    """Where the queue lives."""
+
+    urls: list[str] = Field(
+        default_factory=list,
+        description="NATS server URLs; empty = start the embedded nats-server",
+    )
+    store_dir: Path = Field(Path("data/nats"), description="embedded server's JetStream dir")
+    config_file: Path | None = Field(None, description="embedded server config file")
+    port: int = Field(4222, ge=0, le=65535, description="embedded server client port (0 = any)")
+    prefix: str = Field("jsq", description="name prefix of every bucket, stream and subject")
+    replicas: Replicas = Field(1, description="replica count of buckets and streams")
+    ack_wait_s: float = Field(60.0, gt=0, description="work item ack wait, seconds")
+    max_ack_pending: int = Field(
+        1_000_000, ge=1000, description="consumer limit; must exceed deferred backlog"
+    )
+    events_max_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="events stream size bound, octets (oldest dropped first)"
+    )
+    events_fsync: bool = Field(
+        False,
+        description="sync every event to disk like queue state (one replica; slower)",
+    )
+    connect_timeout_s: float = Field(2.0, gt=0, description="NATS connect timeout, seconds")
+    request_timeout_s: float = Field(5.0, gt=0, description="JetStream request timeout, seconds")
+    user: str | None = Field(None, description="NATS user name (with nats.password)")
+    password: SecretStr | None = Field(None, description="NATS password (secret)")
+    creds_file: Path | None = Field(None, description="NATS credentials file (JWT and NKey)")
+
+
+def _loopback_networks() -> list[IPv4Network | IPv6Network]:
+    return [IPv4Network("127.0.0.0/8"), IPv6Network("::1/128")]
+
+
+class SmtpSettings(_Section):
+    """The SMTP front end."""
+
+    host: Host = Field("127.0.0.1", description="listen address")
+    port: int = Field(2525, ge=0, le=65535, description="listen port")
+    hostname: str = Field("localhost", description="name in the greeting and Received:")
+    max_message_size: int = Field(50_000_000, ge=1024, description="SIZE limit, octets")
+    max_recipients: int = Field(1000, ge=1, description="RCPT limit per message")
+    max_sessions: int = Field(200, ge=1, description="concurrent SMTP sessions")
+    session_timeout_s: float = Field(300.0, gt=0, description="idle command timeout, seconds")
+    relay_networks: list[IPv4Network | IPv6Network] = Field(
+        default_factory=_loopback_networks,
+        description="client networks allowed to relay without AUTH",
+    )
+    bare_line_endings: BareLinePolicy = Field(
+        BareLinePolicy.REJECT, description="bare CR or LF in DATA: reject with 550 or accept"
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate chain for STARTTLS")
+    tls_key: Path | None = Field(None, description="PEM private key for STARTTLS")
+    require_tls: bool = Field(False, description="refuse MAIL before STARTTLS")
+    auth_file: Path | None = Field(None, description="user:hash lines; AUTH disabled when unset")
+    dedupe_window_s: float = Field(120.0, ge=0, description="idempotent-ingest window, seconds")
+    store_timeout_s: float = Field(30.0, gt=0, description="max time to store before 451")
+    inline_body_max: int = Field(
+        0,
+        ge=0,
+        le=256 * 1024,
+        description="messages up to this size, octets, are kept in their KV entry instead "
+        "of the object store (0: never)",
+    )
+
+
+class SmarthostSettings(_Section):
+    """Send everything through one relay instead of MX lookup."""
+
+    host: Host = Field(description="relay host name or address (required)")
+    port: int = Field(25, ge=1, le=65535, description="relay TCP port")
+    username: str | None = Field(None, description="AUTH user name; no AUTH when unset")
+    password: SecretStr | None = Field(None, description="AUTH password (secret)")
+
+
+class WorkerSettings(_Section):
+    """Delivery workers."""
+
+    concurrency: int = Field(20, ge=1, description="deliveries in flight per worker")
+    batch: int = Field(20, ge=1, description="work items fetched per request")
+    ehlo_name: str = Field("localhost", description="EHLO name of outbound sessions")
+    mx_port: int = Field(25, ge=1, le=65535, description="TCP port of remote MXes")
+    max_mx_addresses: int = Field(5, ge=1, description="MX addresses tried per attempt")
+    nameservers: list[str] = Field(default_factory=list, description="resolver IPs; empty=system")
+    nameserver_port: int = Field(53, ge=1, le=65535, description="resolver port")
+    dns_timeout_s: float = Field(5.0, gt=0, description="DNS lifetime per lookup, seconds")
+    tls: TlsPolicy = Field(TlsPolicy.OPPORTUNISTIC, description="outbound STARTTLS policy")
+    tls_policies: dict[str, TlsPolicy] = Field(
+        default_factory=dict, description="per-destination-domain TLS policy overrides"
+    )
+    tls_ca_file: Path | None = Field(None, description="CA bundle for verified TLS")
+    connect_timeout_s: float = Field(30.0, gt=0, description="TCP connect per MX, seconds")
+    # RFC 5321 §4.5.3.2 minimum timeouts
+    greeting_timeout_s: float = Field(300.0, gt=0, description="220 greeting, seconds")
+    mail_timeout_s: float = Field(300.0, gt=0, description="MAIL reply, seconds")
+    rcpt_timeout_s: float = Field(300.0, gt=0, description="RCPT reply, seconds")
+    data_init_timeout_s: float = Field(120.0, gt=0, description="DATA 354 reply, seconds")
+    data_block_timeout_s: float = Field(180.0, gt=0, description="each data block, seconds")
+    data_final_timeout_s: float = Field(600.0, gt=0, description="reply to the dot, seconds")
+    lease_s: float = Field(600.0, gt=0, description="claim lease per delivery, seconds")
+    lease_owner: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="stable lease owner name (a restarted worker takes its leases back); "
+        "the host name (the pod name in Kubernetes) when unset",
+    )
+    presence_grace_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="a worker without a heartbeat for this long is dead and its leases are "
+        "taken over, seconds (heartbeat every grace/3)",
+    )
+    drain_timeout_s: float = Field(20.0, gt=0, description="SIGTERM drain bound, seconds")
+    connection_cache_s: float = Field(
+        2.0, ge=0, description="idle outbound session kept for reuse, seconds; 0 = QUIT each"
+    )
+    connection_reuse_s: float = Field(
+        300.0, gt=0, description="no reuse of an outbound session older than this, seconds"
+    )
+    body_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="local body cache size")
+    body_cache_dir: Path | None = Field(None, description="cache dir; a temp dir when unset")
+    smarthost: SmarthostSettings | None = Field(
+        None, description="relay everything through this host instead of MX lookup"
+    )
+
+
+class RetrySettings(_Section):
+    """Retry schedule (DESIGN.md §5; RFC 5321 §4.5.4.1)."""
+
+    base_s: float = Field(300.0, gt=0, description="first retry delay, seconds")
+    factor: float = Field(2.0, ge=1.0, description="delay multiplier per attempt")
+    max_delay_s: float = Field(4 * 3600.0, gt=0, description="longest retry delay, seconds")
+    max_age_s: float = Field(5 * 86400.0, gt=0, description="queue lifetime, seconds")
+    bounce_max_age_s: float = Field(86400.0, gt=0, description="lifetime of DSNs, seconds")
+    max_attempts: int | None = Field(None, ge=1, description="attempts before expiry; unlimited")
+    jitter: float = Field(0.1, ge=0.0, le=0.5, description="± fraction of each delay")
+
+
+class DsnSettings(_Section):
+    """Delivery status notifications (RFC 3464)."""
+
+    reporting_mta: str = Field("localhost", description="Reporting-MTA name")
+    postmaster: str | None = Field(None, description="copy of double bounces goes here")
+    max_returned_size: int = Field(1_000_000, ge=0, description="RET=FULL limit, octets")
+    delay_warning_after_s: float | None = Field(None, gt=0, description="off when unset")
+    delay_warning_interval_s: float = Field(
+        86400.0, gt=0, description="between repeated delay warnings, seconds"
+    )
+
+
+class ReconcilerSettings(_Section):
+    """The periodic consistency sweep (:mod:`jsqueue.reconciler`); one runs at a time."""
+
+    enabled: bool = Field(True, description="run the reconciler in `up` and `worker`")
+    interval_s: float = Field(60.0, gt=0, description="pause between passes, seconds")
+    lost_trigger_after_s: float = Field(
+        300.0, gt=0, description="an open recipient this overdue without a work item is re-queued"
+    )
+    orphan_after_s: float = Field(
+        3600.0, gt=0, description="a body (or entry) without its other half is removed after"
+    )
+    dsn_retention_s: float = Field(
+        3 * 86400.0, gt=0, description="final DSN entries are kept this long, seconds"
+    )
+    full_scan_every: int = Field(
+        10, ge=1, description="every n-th pass reads every entry, not only trigger-less ones"
+    )
+    lock_ttl_s: float = Field(
+        120.0, ge=3, description="the reconciler lock expires this long after its last renewal"
+    )
+
+
+class HttpSettings(_Section):
+    """Metrics and health endpoints."""
+
+    host: Host = Field("127.0.0.1", description="listen address of /metrics, /healthz, /readyz")
+    port: int = Field(9125, ge=0, le=65535, description="listen port (0 = any)")
+    enabled: bool = Field(True, description="serve the HTTP endpoint")
+    probe_interval_s: float = Field(
+        5.0, gt=0, description="NATS probe (readiness, backlog gauge) interval, seconds"
+    )
+    queue_depth_interval_s: float = Field(
+        300.0,
+        ge=0,
+        description="longest time between queue depth scans (they read every entry; the "
+        "exporter of the queue-wide gauges scans again after 10 times a scan's duration, at "
+        "least probe_interval_s), seconds; 0 = off",
+    )
+
+
+class LogSettings(_Section):
+    """Logging."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    json_format: bool = Field(False, description="one JSON object per line instead of text")
+
+

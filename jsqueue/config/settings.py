@@ -1,0 +1,110 @@
+"""The whole settings model (:class:`Settings`: every section, and its sources: init,
+environment, TOML file) and the dotted paths of its settings."""
+
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    Field,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from jsqueue.config.sections import (
+    CONFIG_ENV,
+    DsnSettings,
+    HttpSettings,
+    LogSettings,
+    NatsSettings,
+    ReconcilerSettings,
+    RetrySettings,
+    SmtpSettings,
+    WorkerSettings,
+)
+
+
+def _is_list(info: FieldInfo | None) -> bool:
+    annotation = info.annotation if info is not None else None
+    return getattr(annotation, "__origin__", None) is list
+
+
+class _EnvSource(EnvSettingsSource):
+    """The environment, where a list setting may also be a bare comma-separated value."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        if isinstance(value, str) and _is_list(field) and not value.lstrip().startswith("["):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return super().decode_complex_value(field_name, field, value)
+
+
+class Settings(BaseSettings):
+    """Every jsqueue setting. Load with :func:`load_settings`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="JSQUEUE_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    smtp: SmtpSettings = Field(default_factory=SmtpSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    dsn: DsnSettings = Field(default_factory=DsnSettings)
+    reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.smtp.tls_cert is None) != (self.smtp.tls_key is None):
+            raise ValueError("smtp.tls_cert and smtp.tls_key must be set together")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_path = os.environ.get(CONFIG_ENV)
+        env = _EnvSource(
+            settings_cls, env_prefix="JSQUEUE_", env_nested_delimiter="__", case_sensitive=False
+        )
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env]
+        if toml_path:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        return tuple(sources)
+
+
+
+def model_of(info: FieldInfo) -> type[BaseModel] | None:
+    args = getattr(info.annotation, "__args__", None) or (info.annotation,)
+    for arg in args:
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def setting_paths(model: type[BaseModel] = Settings, prefix: str = "") -> list[str]:
+    """Every setting's dotted path (``worker.smarthost.host`` ...), sections excluded."""
+    paths: list[str] = []
+    for name, info in model.model_fields.items():
+        sub = model_of(info)
+        if sub is not None:
+            paths.extend(setting_paths(sub, f"{prefix}{name}."))
+        else:
+            paths.append(prefix + name)
+    return paths
