@@ -92,11 +92,17 @@ from support.postfix import (  # noqa: E402
 RESULTS = HERE / "results"
 SENDER = "bench@src.example.test"
 #: The jsqueue configurations measured: name → label in the table.
-VARIANTS = {"jsqueue": "jsqueue", "jsqueue-inline": "jsqueue, inline bodies"}
+VARIANTS = {
+    "jsqueue": "jsqueue",
+    "jsqueue-inline": "jsqueue, inline bodies",
+    "jsqueue-synced-work": "jsqueue, work stream synced",
+}
 #: The settings that make each configuration (environment variables).
 VARIANT_ENV: dict[str, dict[str, str]] = {
     "jsqueue": {},
     "jsqueue-inline": {"JSQUEUE_SMTP__INLINE_BODY_MAX": str(128 * 1024)},
+    # an fsync per work item and ack, as before 2026-12-02 (the A/B of that change)
+    "jsqueue-synced-work": {"JSQUEUE_NATS__WORK_FSYNC": "true"},
 }
 SINK_ADDRESSES = {
     "bench1.example.test": "127.0.3.1",
@@ -439,6 +445,11 @@ class Result:
     latency_ms: list[float] = field(default_factory=list)
     complete: bool = True
     harness_cpu_s: float = 0.0  # this process: DNS server threads, sink counters
+    fsyncs: int | None = None  # fsync + fdatasync calls of the nats-server (--strace)
+
+    @property
+    def fsyncs_per_msg(self) -> float | None:
+        return None if self.fsyncs is None else self.fsyncs / self.messages
 
     @property
     def ingest_rate(self) -> float:
@@ -464,8 +475,35 @@ def _wait_delivered(sinks: list[Sink], target: int, timeout_s: float) -> tuple[f
         time.sleep(0.01)
 
 
+def _start_strace(system: System, out: Path) -> subprocess.Popen[bytes] | None:
+    """``strace -c`` of the nats-server's fsyncs (jsqueue only), ended with SIGINT."""
+    pid = getattr(system, "_nats_server_pid", 0)
+    if not pid:
+        return None
+    cmd = ["strace", "-f", "-c", "-e", "trace=fsync,fdatasync", "-o", str(out), "-p", str(pid)]
+    tracer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached to every thread before the load starts
+    return tracer
+
+
+def _strace_calls(tracer: subprocess.Popen[bytes], out: Path) -> int:
+    tracer.send_signal(2)
+    tracer.wait(timeout=30)
+    calls = 0
+    for line in out.read_text().splitlines():
+        parts = line.split()
+        if parts and parts[-1] in ("fsync", "fdatasync"):
+            calls += int(parts[3] if len(parts) >= 6 else parts[2])
+    return calls
+
+
 def run_scenario(
-    system: System, scenario: Scenario, sinks: dict[str, Sink], run: str, profile: Path | None
+    system: System,
+    scenario: Scenario,
+    sinks: dict[str, Sink],
+    run: str,
+    profile: Path | None,
+    strace: Path | None = None,
 ) -> Result:
     """Start ``system`` fresh, send the load, wait until the sinks have everything."""
     print(f"  {system.name}: {scenario.title} ...", flush=True)
@@ -480,6 +518,7 @@ def run_scenario(
         own0 = _own_cpu()
         if profile is not None:
             spies = _start_profilers(system, profile / f"{run}-{system.name}")
+        tracer = _start_strace(system, strace) if strace is not None else None
         started = time.monotonic()
         if scenario.tool == "smtp-source":
             src = smtp_source(
@@ -508,6 +547,7 @@ def run_scenario(
         for spy in spies:
             spy.send_signal(2)  # SIGINT: py-spy writes its profile and exits
         cpu = meter.total() - cpu0
+        fsyncs = _strace_calls(tracer, strace) if tracer is not None and strace else None
         harness_cpu = _own_cpu() - own0
         after = meter.by_root()
         names = {v: k for k, v in system.processes().items()}
@@ -527,6 +567,7 @@ def run_scenario(
             peak_rss_kib=system.peaks(),
             complete=complete,
             harness_cpu_s=harness_cpu,
+            fsyncs=fsyncs,
         )
         if load.t250:
             result.latency_ms = _latencies(load.t250, sinks["lat.example.test"], base)
@@ -963,6 +1004,9 @@ def main() -> None:
         "with transport_maps; dns: jsqueue looks up MX records in the loopback DNS server",
     )
     parser.add_argument("--profile", action="store_true", help="py-spy the jsqueue processes")
+    parser.add_argument(
+        "--strace", action="store_true", help="count the nats-server's fsyncs (strace -c)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--env", action="append", default=[], help="extra JSQUEUE_X=Y")
     # load-generator mode (internal)
@@ -1058,13 +1102,19 @@ def main() -> None:
                         system = make_system(name, sc, rep)
                         prof = profile_dir if sc is scenarios[0] and rep == 0 else None
                         run = f"{sc.key}{rep}x{random.randrange(10**6)}"
-                        r = run_scenario(system, sc, sinks, run, prof)
+                        trace = workdir / f"strace-{run}.txt" if args.strace else None
+                        r = run_scenario(system, sc, sinks, run, prof, trace)
                         results.append(r)
                         print(
                             f"    ingest {r.ingest_rate:.0f}/s, delivered "
                             f"{r.delivered_rate:.0f}/s{'' if r.complete else ' INCOMPLETE'}, "
                             f"CPU {r.cpu_ms_per_msg:.2f} ms/msg, harness CPU "
                             f"{r.harness_cpu_s:.1f} s"
+                            + (
+                                f", fsyncs {r.fsyncs_per_msg:.2f}/msg"
+                                if r.fsyncs_per_msg is not None
+                                else ""
+                            )
                             + (
                                 f", latency p50 {_percentile(r.latency_ms, 50):.1f} ms"
                                 if r.latency_ms

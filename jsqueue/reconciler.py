@@ -1,5 +1,7 @@
 """The reconciler: a periodic sweep, one pass at a time across the cluster (a lock), that
-puts the queue back in order after crashes: it re-queues entries whose work item was lost,
+puts the queue back in order after crashes: it re-queues entries whose work item was lost
+(soon after a start or a NATS reconnect: a recovery pass with a short margin, since on one
+replica the work stream is written without an fsync per item),
 hands final entries nobody will finish to a worker, and deletes orphan bodies, chunk sets and
 expired DSN entries, deciding each action twice (from a snapshot, then from fresh reads) so
 that repeated or concurrent passes are harmless; :func:`review` is the pure decision, and
@@ -198,29 +200,70 @@ class Reconciler:
         self.last_report: Report | None = None
         self._renewed_at = 0.0
         self._gone: set[str] = set()  # keys read as deleted by the last passes
+        self._margins = settings  # the margins of the pass under way (see run_once)
+        # Monotonic time of the next recovery pass, None when none is wanted: one comes
+        # recovery_margin_s after the start (what a crash left is older by then), and one
+        # after every NATS reconnect (nats_reconnected).
+        self._recovery_at: float | None = time.monotonic() + settings.recovery_margin_s
+        self._wake = asyncio.Event()
+
+    def nats_reconnected(self) -> None:
+        """Ask for a recovery pass ``recovery_margin_s`` seconds from now: the NATS server
+        may have restarted and lost the last work items it was given (on one replica the
+        work stream is not synced per write, ``nats.work_fsync``). Never blocks;
+        idempotent (a second call before the pass moves it later)."""
+        self._recovery_at = time.monotonic() + self.settings.recovery_margin_s
+        self._wake.set()
+
+    async def _pause(self, stop: asyncio.Event) -> None:
+        """Wait for the next pass: ``interval_s``, or until a recovery pass is due (a
+        reconnect meanwhile moves that sooner), or until ``stop`` is set."""
+        while not stop.is_set():
+            self._wake.clear()
+            waits = (asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait()))
+            done, _ = await asyncio.wait(
+                waits, timeout=self._wait_s(), return_when=asyncio.FIRST_COMPLETED
+            )
+            for w in waits:
+                w.cancel()
+            if not done:  # the wait ran out: a pass is due
+                return
+
+    def _wait_s(self) -> float:
+        """Seconds until the next pass: the interval, or sooner for a recovery pass."""
+        if self._recovery_at is None:
+            return self.settings.interval_s
+        return max(0.0, min(self.settings.interval_s, self._recovery_at - time.monotonic()))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sweep every ``interval_s`` seconds until ``stop`` is set; first sweep at once.
 
         Only the lock holder sweeps; the others keep trying to take the lock. Failures of
         NATS are logged and the next pass tries again. The lock is released on the way out.
-        Every ``full_scan_every``-th pass of this process is a full one.
+        Every ``full_scan_every``-th pass of this process is a full one. The pass
+        ``recovery_margin_s`` after the start, and the one as long after each NATS reconnect
+        (:meth:`nats_reconnected`), is a recovery pass (``run_once(recovery=True)``).
         """
         try:
             while not stop.is_set():
+                asked = self._recovery_at
+                recovery = asked is not None and asked <= time.monotonic()
                 try:
                     full = self.passes % self.settings.full_scan_every == 0
-                    report = await self.run_once(full=full)
+                    report = await self.run_once(full=full, recovery=recovery)
+                    if recovery and self._recovery_at == asked:  # no reconnect meanwhile
+                        self._recovery_at = None
                     if report.changed or report.reported:
                         log.info("reconciler pass: %s", _summary(report))
                 except LockLost as e:
                     log.debug("reconciler: %s", e)
+                    if recovery and self._recovery_at == asked:  # the holder makes its own
+                        self._recovery_at = None
                 except StoreUnavailable as e:
                     log.warning("reconciler pass failed: %s", e)
                 except Exception:  # a bug must not end the sweeping for good: log, go on
                     log.exception("reconciler pass failed unexpectedly")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.settings.interval_s)
+                await self._pause(stop)
         finally:
             # Bounded: with NATS gone a release would wait out the request timeout, and the
             # lock expires on its own anyway.
@@ -244,11 +287,17 @@ class Reconciler:
             raise LockLost("lock taken over by another reconciler; pass abandoned")
         self._renewed_at = time.monotonic()
 
-    async def run_once(self, *, full: bool = True) -> Report:
+    async def run_once(self, *, full: bool = True, recovery: bool = False) -> Report:
         """One sweep under the lock (taken, or kept, first; renewed as the pass goes).
 
         Args:
             full: read every entry and every body meta, not only the suspicious ones.
+            recovery: a pass after a start or a NATS restart: an open recipient without a
+                work item is re-queued once ``recovery_margin_s`` overdue instead of
+                ``lost_trigger_after_s`` (the items published just before a crash of a
+                one-replica server may be lost: the work stream is not synced per write).
+                A re-queue too many is harmless (DESIGN.md §2.2: the item is checked
+                against KV on arrival).
 
         Returns:
             what was found and done.
@@ -260,6 +309,10 @@ class Reconciler:
         if not await self.lock.acquire():
             raise LockLost("another reconciler holds the lock")
         self._renewed_at = time.monotonic()
+        self._margins = self.settings
+        if recovery:
+            short = min(self.settings.recovery_margin_s, self.settings.lost_trigger_after_s)
+            self._margins = self.settings.model_copy(update={"lost_trigger_after_s": short})
         report = Report()
         inv = self.inventory
         ids = await inv.entry_ids()
@@ -297,7 +350,7 @@ class Reconciler:
                     has_body=entry.id in bodies,
                     names=self.names,
                     now=self.clock(),
-                    settings=self.settings,
+                    settings=self._margins,
                 )
                 for action in actions:
                     await self._keep_lock()
@@ -356,7 +409,7 @@ class Reconciler:
             has_body=has_body,
             names=self.names,
             now=self.clock(),
-            settings=self.settings,
+            settings=self._margins,
         )
         if action not in again:
             log.debug("reconciler: %s %s no longer needed", action.kind, qid)
@@ -438,7 +491,13 @@ async def open_reconciler(settings: Settings, urls: list[str]) -> Reconciler:
     nats_settings = settings.nats
     names = Names(nats_settings.prefix)
     timeout_s = nats_settings.request_timeout_s
-    nc = await connect_nats(nats_settings, urls)
+    made: list[Reconciler] = []
+
+    async def reconnected() -> None:
+        for reconciler in made:
+            reconciler.nats_reconnected()
+
+    nc = await connect_nats(nats_settings, urls, on_reconnected=reconnected)
     try:
         bodies = JetStreamBodyStore(nc, names, timeout_s=timeout_s)
         entries = JetStreamEntryStore(nc, names, timeout_s=timeout_s)
@@ -460,4 +519,5 @@ async def open_reconciler(settings: Settings, urls: list[str]) -> Reconciler:
 
     stores = Stores(bodies, entries, scheduler, close)
     inventory = JetStreamInventory(nc, names, bodies, entries, timeout_s=timeout_s)
-    return Reconciler(stores, inventory, lock, settings.reconciler, names)
+    made.append(Reconciler(stores, inventory, lock, settings.reconciler, names))
+    return made[0]

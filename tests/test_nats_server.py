@@ -172,7 +172,9 @@ async def test_provisioning_creates_everything_with_design_settings(
         assert events.max_bytes == settings.events_max_bytes and events.discard == "old"
         # Best-effort events: one replica writes them without an fsync each (ADR-56).
         assert events.persist_mode == "async"
-        assert kv.persist_mode in (None, "default") and work.persist_mode in (None, "default")
+        assert kv.persist_mode in (None, "default") and obj.persist_mode in (None, "default")
+        # Work items are triggers (KV is the truth): no fsync per item or ack on one replica.
+        assert work.persist_mode == "async"
         cc = (await js.consumer_info(names.work_stream, names.work_consumer)).config
         assert cc.durable_name == names.work_consumer
         assert cc.ack_policy == "explicit"
@@ -261,6 +263,21 @@ async def test_events_fsync_setting_keeps_every_event_synced(
     try:
         events = (await nc.jetstream().stream_info(names.events_stream)).config
         assert events.persist_mode in (None, "default")
+    finally:
+        await nc.close()
+
+
+async def test_work_fsync_setting_keeps_every_work_item_synced(
+    nats_server: EmbeddedNats, names: Names
+) -> None:
+    """``nats.work_fsync``: the work stream is created in the default persist mode (an fsync
+    per work item and ack under ``sync_interval: always``)."""
+    stores = await open_jetstream(make_settings(work_fsync=True), [nats_server.url], names=names)
+    await stores.close()
+    nc = await connect(nats_server.url)
+    try:
+        work = (await nc.jetstream().stream_info(names.work_stream)).config
+        assert work.persist_mode in (None, "default")
     finally:
         await nc.close()
 

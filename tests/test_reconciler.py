@@ -411,3 +411,44 @@ async def test_unreadable_entry_is_reported_and_the_pass_goes_on(
     assert report.requeued == [WorkItem(lost.id, DOMAIN)]
     assert report.orphan_bodies == []
     assert (await h.stores.bodies.info(bad)).size > 0
+
+
+async def test_recovery_pass_requeues_recent_lost_triggers(
+    queue_harness: Harness, make_reconciler: MakeReconciler
+) -> None:
+    """After a start or a NATS reconnect the margin is ``recovery_margin_s``, not
+    ``lost_trigger_after_s``: a work item lost with the last unsynced writes of a crashed
+    one-replica server is put back within seconds; a younger entry (its ingest may be under
+    way) is left alone."""
+    h = queue_harness
+    rec: Reconciler = await make_reconciler(recovery_margin_s=5.0)
+    recent = entry(age=timedelta(seconds=10))
+    young = entry(age=timedelta(seconds=1))
+    for e in (recent, young):
+        await store(h.stores, e)
+    assert (await rec.run_once(full=False)).requeued == []  # 10 s < lost_trigger_after_s
+    report = await rec.run_once(full=False, recovery=True)
+    assert report.requeued == [WorkItem(recent.id, DOMAIN)]
+    assert (await rec.run_once(full=False)).requeued == []  # margins back to normal
+
+
+async def test_reconnect_asks_for_a_recovery_pass(
+    queue_harness: Harness, make_reconciler: MakeReconciler
+) -> None:
+    """The running reconciler makes a recovery pass ``recovery_margin_s`` after a NATS
+    reconnect (and after its start), between its normal passes."""
+    h = queue_harness
+    rec: Reconciler = await make_reconciler(interval_s=3600.0, recovery_margin_s=0.5)
+    stop = asyncio.Event()
+    task = asyncio.create_task(rec.run(stop))
+    try:
+        await eventually(lambda: rec.passes >= 2, 10, what="first pass, then start recovery")
+        lost = entry(age=timedelta(seconds=10))
+        await store(h.stores, lost)
+        rec.nats_reconnected()  # what connect_nats calls after a reconnect
+        await eventually(lambda: rec.passes >= 3, 10, what="recovery pass")
+        assert rec.last_report is not None
+        assert rec.last_report.requeued == [WorkItem(lost.id, DOMAIN)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

@@ -1,6 +1,5 @@
 """The settings sections (one pydantic model per TOML table), their enums and validators."""
 
-
 from __future__ import annotations
 
 import re
@@ -133,6 +132,11 @@ class NatsSettings(_Section):
     events_fsync: bool = Field(
         False,
         description="sync every event to disk like queue state (one replica; slower)",
+    )
+    work_fsync: bool = Field(
+        False,
+        description="sync every work item and ack to disk (one replica; slower); off, a "
+        "trigger lost in a crash is put back by the reconciler's recovery pass",
     )
     connect_timeout_s: float = Field(2.0, gt=0, description="NATS connect timeout, seconds")
     request_timeout_s: float = Field(5.0, gt=0, description="JetStream request timeout, seconds")
@@ -271,6 +275,12 @@ class ReconcilerSettings(_Section):
     lost_trigger_after_s: float = Field(
         300.0, gt=0, description="an open recipient this overdue without a work item is re-queued"
     )
+    recovery_margin_s: float = Field(
+        5.0,
+        gt=0,
+        description="in the recovery pass (at start and after every NATS reconnect) an open "
+        "recipient this overdue without a work item is re-queued, seconds",
+    )
     orphan_after_s: float = Field(
         3600.0, gt=0, description="a body (or entry) without its other half is removed after"
     )
@@ -308,5 +318,3 @@ class LogSettings(_Section):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     json_format: bool = Field(False, description="one JSON object per line instead of text")
-
-

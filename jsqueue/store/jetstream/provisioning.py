@@ -92,12 +92,20 @@ def _stream_configs(settings: NatsSettings, names: Names) -> list[dict[str, Any]
             "allow_direct": True,
         },
         {
+            # Triggers, not queue state (DESIGN.md §2.2): on one replica written without an
+            # fsync per item or ack unless nats.work_fsync; what a crash costs (the last
+            # items published) the reconciler's recovery pass puts back from KV.
             **common,
             "name": names.work_stream,
             "subjects": [names.work_subjects],
             "retention": "workqueue",
             "discard": "old",
             "max_age": 0,
+            **(
+                {"persist_mode": "async"}
+                if settings.replicas == 1 and not settings.work_fsync
+                else {}
+            ),
         },
         {
             # Best-effort observations, not queue state (jsqueue.events): one replica buffers
