@@ -45,6 +45,11 @@ jsqueue_queue_scan_duration_seconds        gauge      how long the last depth sc
 jsqueue_queue_scan_timestamp_seconds       gauge      Unix time of the last depth scan
 jsqueue_work_backlog_items                 gauge      work items scheduled and not settled (due,
                                                       deferred, in flight): Scheduler.backlog()
+jsqueue_ack_pending_saturated              gauge      1 while the work consumer's max_ack_pending
+                                                      is reached (fresh mail waits), with
+                                                      ``_items``, ``_limit``, ``_ratio`` and
+                                                      jsqueue_work_waiting_items: queue-wide
+                                                      (jsqueue.saturation)
 jsqueue_nats_connected                     gauge      1 when the last NATS probe succeeded, else 0
 jsqueue_queue_gauges_exporter              gauge      1 on the process exporting the queue-wide
                                                       gauges, else 0
@@ -66,7 +71,9 @@ from prometheus_client.registry import Collector
 from jsqueue.envelope import EntryState
 from jsqueue.errors import JsqueueError
 from jsqueue.events import Event, EventKind, JetStreamPublisher
-from jsqueue.store.base import Lock, Stores
+from jsqueue.saturation import SaturationWatch
+from jsqueue.store.base import AckPending, Lock, Stores
+from jsqueue.store.jetstream.work import JetStreamScheduler
 
 log = logging.getLogger("jsqueue.metrics")
 
@@ -176,6 +183,7 @@ class Metrics:
         self.nats_connected = Gauge(
             "jsqueue_nats_connected", "1 when the last NATS probe succeeded, else 0.", registry=r
         )
+        self.saturation = SaturationWatch(r)
         for layout in BODY_LAYOUTS:  # export zeros before the first message
             self.accepted_bodies.labels(layout)
         for outcome in _ATTEMPT_OUTCOMES:  # export zeros before the first attempt
@@ -326,7 +334,12 @@ class QueueProbe:
         answered. Never raises."""
         try:
             async with asyncio.timeout(min(self.timeout_s, max(1.0, self.probe_interval_s))):
-                backlog = await self.stores.scheduler.backlog()
+                figures: AckPending | None = None
+                if isinstance(self.stores.scheduler, JetStreamScheduler):
+                    figures = await self.stores.scheduler.ack_pending()
+                    backlog = figures.waiting + figures.ack_pending
+                else:
+                    backlog = await self.stores.scheduler.backlog()
                 exporting = await self._elect()
         except (JsqueueError, TimeoutError, OSError) as e:
             if self.ok:
@@ -335,6 +348,8 @@ class QueueProbe:
             exporting = False
         else:
             self.metrics.queue.backlog = backlog
+            if figures is not None:
+                self.metrics.saturation.observe(figures, exporting=exporting)
             self.ok = True
         if exporting != self.exporting:
             log.info("queue-wide gauges: %s", "exported here" if exporting else "not here")

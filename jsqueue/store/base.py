@@ -273,6 +273,32 @@ class Scheduler(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class AckPending:
+    """The work consumer's load against its limit (DESIGN.md §2.6).
+
+    Attributes:
+        ack_pending: items delivered and not settled: in flight and NAK-delayed (deferred).
+        waiting: items not yet delivered (fresh mail and items come due).
+        limit: the consumer's ``max_ack_pending``; at ``ack_pending >= limit`` nothing new
+            is delivered.
+    """
+
+    ack_pending: int
+    waiting: int
+    limit: int
+
+    @property
+    def ratio(self) -> float:
+        """``ack_pending / limit``, 0 when there is no limit."""
+        return self.ack_pending / self.limit if self.limit > 0 else 0.0
+
+    @property
+    def saturated(self) -> bool:
+        """Whether the consumer has stopped delivering new items."""
+        return self.limit > 0 and self.ack_pending >= self.limit
+
+
 _INGEST_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from jsqueue.envelope import WorkItem
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names, check_domain, check_queue_id
-from jsqueue.store.base import Due
+from jsqueue.store.base import AckPending, Due
 from jsqueue.store.jetstream.api import (
     HDR_MSG_ID,
     NATS_FAILURES,
@@ -202,9 +202,23 @@ class JetStreamScheduler:
 
     async def backlog(self) -> int:
         """See :meth:`Scheduler.backlog`: consumer num_pending + num_ack_pending."""
+        figures = await self.ack_pending()
+        return figures.waiting + figures.ack_pending
+
+    async def ack_pending(self) -> AckPending:
+        """The consumer's num_ack_pending, num_pending and max_ack_pending (one consumer
+        info request), for the saturation alert (:mod:`jsqueue.saturation`).
+
+        Raises:
+            StoreUnavailable: the request failed.
+        """
         with translate("work consumer: info"):
             info = await self.js.consumer_info(self.names.work_stream, self.names.work_consumer)
-        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        return AckPending(
+            ack_pending=int(info.num_ack_pending or 0),
+            waiting=int(info.num_pending or 0),
+            limit=int(info.config.max_ack_pending or 0),
+        )
 
     async def _subscription(self) -> JetStreamContext.PullSubscription:
         if self._sub is None:
