@@ -96,6 +96,7 @@ VARIANTS = {
     "jsqueue": "jsqueue",
     "jsqueue-inline": "jsqueue, inline bodies",
     "jsqueue-synced-work": "jsqueue, work stream synced",
+    "jsqueue-one-process": "jsqueue, front end and worker in one process",
 }
 #: The settings that make each configuration (environment variables).
 VARIANT_ENV: dict[str, dict[str, str]] = {
@@ -103,6 +104,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "jsqueue-inline": {"JSQUEUE_SMTP__INLINE_BODY_MAX": str(128 * 1024)},
     # an fsync per work item and ack, as before 2026-12-02 (the A/B of that change)
     "jsqueue-synced-work": {"JSQUEUE_NATS__WORK_FSYNC": "true"},
+    # `jsqueue up` (front end and worker in one interpreter) against the nats of `jsqueue nats`
+    "jsqueue-one-process": {},
 }
 SINK_ADDRESSES = {
     "bench1.example.test": "127.0.3.1",
@@ -345,8 +348,12 @@ class JsqueueSystem(System):
         self.nats_url = self.nats.wait_for_log(r"nats-server ready on (nats://\S+)").group(1)
         self._nats_server_pid = next(p for p in process_tree(self.nats.pid) if p != self.nats.pid)
         env = {**self.env, "JSQUEUE_NATS__URLS": json.dumps([self.nats_url])}
-        self.smtp = JsqueueProcess(["smtp"], env, self.workdir / "smtp.log").start()
-        self.worker = JsqueueProcess(["worker"], env, self.workdir / "worker.log").start()
+        if self.name == "jsqueue-one-process":
+            self.smtp = JsqueueProcess(["up"], env, self.workdir / "up.log").start()
+            self.worker = self.smtp
+        else:
+            self.smtp = JsqueueProcess(["smtp"], env, self.workdir / "smtp.log").start()
+            self.worker = JsqueueProcess(["worker"], env, self.workdir / "worker.log").start()
         self.extra_workers = [
             JsqueueProcess(["worker"], env, self.workdir / f"worker{i}.log").start()
             for i in range(2, self.workers + 1)
@@ -356,14 +363,15 @@ class JsqueueSystem(System):
             w.wait_for_log(r"jsqueue running")
 
     def stop(self) -> None:
-        for proc in (self.smtp, self.worker, *self.extra_workers, self.nats):
+        for proc in dict.fromkeys((self.smtp, self.worker, *self.extra_workers, self.nats)):
             if proc is not None:
                 proc.stop()
 
     def meter(self) -> CpuMeter:
         assert self.nats and self.smtp and self.worker
         extra = [w.pid for w in self.extra_workers]
-        return CpuMeter([self.nats.pid, self.smtp.pid, self.worker.pid, *extra])
+        pids = dict.fromkeys([self.nats.pid, self.smtp.pid, self.worker.pid, *extra])
+        return CpuMeter(list(pids))
 
     def peaks(self) -> dict[str, int]:
         assert self.smtp and self.worker
@@ -376,6 +384,8 @@ class JsqueueSystem(System):
     def processes(self) -> dict[str, int]:
         assert self.smtp and self.worker
         extra = {f"worker{i}": w.pid for i, w in enumerate(self.extra_workers, 2)}
+        if self.smtp is self.worker:
+            return {"up": self.smtp.pid, **extra}
         return {"smtp": self.smtp.pid, "worker": self.worker.pid, **extra}
 
 
@@ -824,6 +834,7 @@ class Summary:
     peak_rss_kib: dict[str, int]
     latency_ms: list[float]
     complete: bool
+    fsyncs_per_msg: float | None = None
 
 
 def summarize(results: list[Result]) -> Summary:
@@ -841,6 +852,9 @@ def summarize(results: list[Result]) -> Summary:
         peak_rss_kib={k: max(r.peak_rss_kib.get(k, 0) for r in results) for k in rss_keys},
         latency_ms=[x for r in results for x in r.latency_ms],
         complete=all(r.complete for r in results),
+        fsyncs_per_msg=statistics.median(f)
+        if (f := [x for r in results if (x := r.fsyncs_per_msg) is not None])
+        else None,
     )
 
 
@@ -904,6 +918,9 @@ def report(
         ):
             values = [getattr(j, attr) if j else None for j in js]
             lines.append(_row(title, metric, values, getattr(p, attr) if p else None, digits))
+        fsyncs = [j.fsyncs_per_msg if j else None for j in js]
+        if any(f is not None for f in fsyncs):
+            lines.append(_row(sc.title, "nats-server fsyncs per message (strace)", fsyncs, None, 2))
     lines += [
         "",
         "jsqueue processes: peak RSS (MiB) and CPU seconds per run (median):",
