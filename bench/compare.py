@@ -97,6 +97,7 @@ VARIANTS = {
     "jsqueue-inline": "jsqueue, inline bodies",
     "jsqueue-synced-work": "jsqueue, work stream synced",
     "jsqueue-one-process": "jsqueue, front end and worker in one process",
+    "jsqueue-baseline": "jsqueue, baseline (--baseline)",
 }
 #: The settings that make each configuration (environment variables).
 VARIANT_ENV: dict[str, dict[str, str]] = {
@@ -106,6 +107,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "jsqueue-synced-work": {"JSQUEUE_NATS__WORK_FSYNC": "true"},
     # `jsqueue up` (front end and worker in one interpreter) against the nats of `jsqueue nats`
     "jsqueue-one-process": {},
+    # the code of another checkout (--baseline DIR, e.g. a `git worktree` of main): A/B
+    "jsqueue-baseline": {},
 }
 SINK_ADDRESSES = {
     "bench1.example.test": "127.0.3.1",
@@ -1029,6 +1032,9 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--env", action="append", default=[], help="extra JSQUEUE_X=Y")
+    parser.add_argument(
+        "--baseline", type=Path, help="checkout whose jsqueue package jsqueue-baseline runs"
+    )
     # load-generator mode (internal)
     parser.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host", help=argparse.SUPPRESS)
@@ -1080,6 +1086,10 @@ def main() -> None:
     scenarios = [all_scenarios[k] for k in args.scenarios.split(",") if k]
     systems = args.systems.split(",")
     extra_env = dict(e.split("=", 1) for e in args.env)
+    if "jsqueue-baseline" in systems:
+        if args.baseline is None:
+            raise SystemExit("jsqueue-baseline needs --baseline DIR")
+        VARIANT_ENV["jsqueue-baseline"] = {"PYTHONPATH": str(args.baseline.resolve())}
 
     workdir = make_workdir("jsqueue-bench-")
     RESULTS.mkdir(exist_ok=True)

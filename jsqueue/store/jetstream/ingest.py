@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -20,6 +21,9 @@ from jsqueue.store.jetstream.api import (
     translate,
     unavailable,
 )
+
+#: Claims whose stream sequence an ingest log remembers for :meth:`JetStreamIngestLog.forget`.
+CLAIMED_MEMORY = 4096
 
 
 class JetStreamIngestLog:
@@ -43,6 +47,9 @@ class JetStreamIngestLog:
         self.js = nc.jetstream(timeout=timeout_s)
         self.stream = names.ingest_stream
         self._pre = kv_subject_prefix(names.ingest_bucket)
+        # key -> (queue id, stream sequence) of the records this process claimed lately:
+        # forget() of one of them needs no read first (a request less per message).
+        self._claimed: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     async def lookup(self, key: str, max_age_s: float) -> str | None:
         """See :meth:`IngestLog.lookup`."""
@@ -75,7 +82,10 @@ class JetStreamIngestLog:
         what = f"ingest {key[:12]}: claim"
         headers = {HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
         try:
-            await publish(self.js, self._pre + key, data, headers, what=what)
+            ack = await publish(self.js, self._pre + key, data, headers, what=what)
+            self._claimed[key] = (queue_id, ack.seq)
+            if len(self._claimed) > CLAIMED_MEMORY:
+                self._claimed.popitem(last=False)
             return None
         except nats.js.errors.APIError as e:
             if not is_wrong_last_seq(e):
@@ -88,7 +98,8 @@ class JetStreamIngestLog:
 
     async def forget(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.forget`: a KV delete that expects the record read (its
-        subject sequence), so a record another front end wrote meanwhile stays.
+        subject sequence), so a record another front end wrote meanwhile stays. The record
+        of a claim this process made lately is not read again: its sequence is known.
 
         Raises:
             InvalidName: bad key or queue id.
@@ -98,14 +109,20 @@ class JetStreamIngestLog:
         check_ingest_key(key)
         check_queue_id(queue_id)
         what = f"ingest {key[:12]}: forget"
-        with translate(what):
-            try:
-                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
-            except nats.js.errors.NotFoundError:
+        claimed = self._claimed.pop(key, None)
+        if claimed is not None and claimed[0] == queue_id:
+            seq = claimed[1]  # our own claim: its sequence is known, no read
+        else:
+            with translate(what):
+                try:
+                    msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
+                except nats.js.errors.NotFoundError:
+                    return
+            if not msg.data or json.loads(msg.data).get("id") != queue_id:
                 return
-        if not msg.data or json.loads(msg.data).get("id") != queue_id:
-            return
-        headers = {HDR_KV_OP: "DEL", HDR_EXPECTED_LAST_SUBJ_SEQ: str(msg.seq)}
+            assert msg.seq is not None
+            seq = msg.seq
+        headers = {HDR_KV_OP: "DEL", HDR_EXPECTED_LAST_SUBJ_SEQ: str(seq)}
         try:
             await publish(self.js, self._pre + key, b"", headers, what=what)
         except nats.js.errors.APIError as e:
