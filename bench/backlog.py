@@ -51,7 +51,7 @@ DOMAIN = "bench1.example.test"
 
 
 def _send_one(host: str, port: int, i: int) -> None:
-    body = f"Subject: fresh {i}\r\n\r\n" + "x" * 4000 + "\r\n"
+    body = f"Subject: fresh {i}\r\n\r\n" + ("x" * 78 + "\r\n") * 50
     with smtplib.SMTP(host, port, timeout=60) as s:
         s.sendmail(SENDER, [f"sink@{DOMAIN}"], body)
 

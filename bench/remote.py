@@ -5,9 +5,12 @@ processes (scale by replica count: the ratio 4 workers / 1 worker) and Postfix's
 scenario, alternating, with round trips per message as the sink counts them (a client write
 that had to wait for a reply; pipelined commands, RFC 2920, count once).
 
-Both systems get the load as in ``compare.py`` (smtp-source, 20 sessions); the figure is
-delivered end to end, from the first connection until the sink has counted every message
-(with 50 ms per round trip, delivery is the slower half).
+Delivery is measured on its own: the messages are queued first (smtp-source, 20 sessions)
+with delivery held back (jsqueue: no worker runs yet; Postfix: every message put on hold
+by ``smtpd_data_restrictions``), then released at once (jsqueue: the worker processes
+start; Postfix: ``postsuper -H ALL`` and ``postqueue -f``). Delivered msg/s is counted at
+the sink from its first arrival to its last, so start-up is not in it; CPU is that of
+the whole system during the delivery, per message.
 
     .venv/bin/python bench/remote.py --messages 2000 --repeat 3
     .venv/bin/python bench/remote.py --workers 1,4 --env JSQUEUE_WORKER__CONCURRENCY=40
@@ -31,13 +34,11 @@ sys.path.insert(0, str(HERE))
 
 from compare import (  # noqa: E402  (bench/ is put on the path just above)
     RESULTS,
+    SENDER,
+    JsqueueProcess,
     JsqueueSystem,
-    PostfixSystem,
-    Result,
-    Scenario,
-    run_scenario,
 )
-from postfix import Sink  # noqa: E402
+from postfix import CpuMeter, Sink, postfix_master_pid, smtp_source  # noqa: E402
 
 from support.dns import DnsServer  # noqa: E402  (tests/ is put on the path by postfix.py)
 from support.postfix import free_port, make_workdir  # noqa: E402
@@ -103,6 +104,96 @@ class SlowSink(Sink):
             return self._rt
 
 
+def _rate(arrivals: list[float]) -> float:
+    return (len(arrivals) - 1) / max(1e-9, arrivals[-1] - arrivals[0])
+
+
+def run_jsqueue(
+    workdir: Path, dns: DnsServer, sink: SlowSink, n_workers: int, args: argparse.Namespace
+) -> dict[str, float]:
+    env = dict(e.split("=", 1) for e in args.env)
+    system = JsqueueSystem(workdir, dns, sink.port, env, ADDRESS, n_workers)
+    system.workdir.mkdir(parents=True, exist_ok=True)
+    system.nats = JsqueueProcess(["nats"], system.env, workdir / "nats.log").start()
+    system.nats_url = system.nats.wait_for_log(r"nats-server ready on (nats://\S+)").group(1)
+    wenv = {**system.env, "JSQUEUE_NATS__URLS": json.dumps([system.nats_url])}
+    system.smtp = JsqueueProcess(["smtp"], wenv, workdir / "smtp.log").start()
+    workers: list[JsqueueProcess] = []
+    try:
+        port = int(system.smtp.wait_for_log(r"listening on [\d.]+:(\d+)").group(1))
+        base, rt0 = sink.count, sink.round_trips
+        smtp_source(
+            "127.0.0.1",
+            port,
+            messages=args.messages,
+            sessions=args.sessions,
+            size=4096,
+            sender=SENDER,
+            recipient=f"sink@{DOMAIN}",
+        )
+        workers = [
+            JsqueueProcess(["worker"], wenv, workdir / f"worker{i}.log").start()
+            for i in range(n_workers)
+        ]
+        meter = CpuMeter([system.nats.pid, system.smtp.pid, *(w.pid for w in workers)])
+        cpu0 = meter.total()
+        return _wait(sink, base, rt0, args, meter, cpu0)
+    finally:
+        for w in workers:
+            w.stop()
+        system.smtp.stop()
+        system.nats.stop()
+
+
+def run_postfix(workdir: Path, sink: SlowSink, args: argparse.Namespace) -> dict[str, float]:
+    from support.postfix import Postfix, loopback_address
+
+    routes = {DOMAIN: f"[{ADDRESS}]:{sink.port}"}
+    hold = {"smtpd_data_restrictions": "check_client_access static:HOLD"}
+    pf = Postfix.relay(workdir, routes, host=loopback_address(20), extra=hold)
+    pf.start()
+    try:
+        base, rt0 = sink.count, sink.round_trips
+        smtp_source(
+            pf.host,
+            pf.port,
+            messages=args.messages,
+            sessions=args.sessions,
+            size=4096,
+            sender=SENDER,
+            recipient=f"sink@{DOMAIN}",
+        )
+        meter = CpuMeter([postfix_master_pid(pf)])
+        cpu0 = meter.total()
+        conf = str(pf.config_dir)
+        subprocess.run(
+            ["/usr/sbin/postsuper", "-c", conf, "-H", "ALL"], check=True, capture_output=True
+        )
+        subprocess.run(["/usr/sbin/postqueue", "-c", conf, "-f"], check=True, capture_output=True)
+        return _wait(sink, base, rt0, args, meter, cpu0)
+    finally:
+        pf.stop()
+
+
+def _wait(
+    sink: SlowSink, base: int, rt0: int, args: argparse.Namespace, meter: CpuMeter, cpu0: float
+) -> dict[str, float]:
+    deadline = time.monotonic() + max(300.0, args.messages / 5)
+    while sink.count < base + args.messages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cpu = meter.total() - cpu0
+    got = sink.count - base
+    with sink._lock:
+        arrivals = sink.arrivals[base : base + got]
+    return {
+        "delivered": got,
+        "complete": float(got >= args.messages),
+        "rate": _rate(arrivals) if got > 1 else 0.0,
+        "round_trips": (sink.round_trips - rt0) / max(1, got),
+        "cpu_ms": 1000 * cpu / max(1, got),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=2000)
@@ -114,99 +205,72 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], help="extra JSQUEUE_X=Y")
     args = parser.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
-    extra_env = dict(e.split("=", 1) for e in args.env)
-    sc = Scenario(
-        "remote",
-        f"4 KB, 1 rcpt, {args.delay_ms:g} ms per round trip",
-        args.messages,
-        4096,
-        [f"sink@{DOMAIN}"],
-        args.sessions,
-    )
+    title = f"4 KB, 1 rcpt, {args.delay_ms:g} ms per round trip"
     workdir = make_workdir("jsqueue-remote-")
     port = free_port(ADDRESS)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    rows: list[tuple[str, Result, float]] = []
+    rows: list[tuple[str, dict[str, float]]] = []
     sink = SlowSink(ADDRESS, port, args.delay_ms).start()
     zone = f"{DOMAIN}. MX 10 mx.{DOMAIN}.\nmx.{DOMAIN}. A {ADDRESS}\n"
     try:
         with DnsServer(zone) as dns:
             for rep in range(args.repeat):
-                systems: list[tuple[str, object]] = []
-                for n in counts:
-                    systems.append(
-                        (
-                            f"jsqueue x{n}",
-                            JsqueueSystem(
-                                workdir / f"jsq{n}-{rep}",
-                                dns,
-                                port,
-                                extra_env,
-                                ADDRESS,
-                                n,
-                                name=f"jsqueue x{n}",
-                            ),
-                        )
-                    )
+                labels = [f"jsqueue x{n}" for n in counts]
                 if not args.no_postfix:
-                    routes = {DOMAIN: f"[{ADDRESS}]:{port}"}
-                    systems.append(("Postfix", PostfixSystem(workdir / f"pf-{rep}", routes)))
-                for label, system in systems:
-                    rt0 = sink.round_trips
-                    r = run_scenario(system, sc, {DOMAIN: sink}, f"r{rep}", None)  # type: ignore[arg-type]
-                    rt = (sink.round_trips - rt0) / max(1, r.delivered)
-                    rows.append((label, r, rt))
+                    labels.append("Postfix")
+                for label in labels:
+                    print(f"  {label}: {title} ...", flush=True)
+                    if label == "Postfix":
+                        r = run_postfix(workdir / f"pf-{rep}", sink, args)
+                    else:
+                        n = int(label.rsplit("x", 1)[1])
+                        r = run_jsqueue(workdir / f"jsq{n}-{rep}", dns, sink, n, args)
+                    rows.append((label, r))
                     print(
-                        f"    {label}: delivered {r.delivered_rate:.0f}/s"
-                        f"{'' if r.complete else ' INCOMPLETE'}, {rt:.2f} round trips/msg, "
-                        f"CPU {r.cpu_ms_per_msg:.2f} ms/msg",
+                        f"    delivered {r['rate']:.0f}/s"
+                        f"{'' if r['complete'] else ' INCOMPLETE'}, "
+                        f"{r['round_trips']:.2f} round trips/msg, CPU {r['cpu_ms']:.2f} ms/msg",
                         flush=True,
                     )
     finally:
         sink.stop()
-    med: dict[str, tuple[float, float, int]] = {}
-    for label in dict.fromkeys(lbl for lbl, _, _ in rows):
-        mine = [(r, rt) for lbl, r, rt in rows if lbl == label]
+    med: dict[str, tuple[float, float, float, int]] = {}
+    for label in dict.fromkeys(lbl for lbl, _ in rows):
+        mine = [r for lbl, r in rows if lbl == label]
         med[label] = (
-            statistics.median(r.delivered_rate for r, _ in mine),
-            statistics.median(rt for _, rt in mine),
+            statistics.median(r["rate"] for r in mine),
+            statistics.median(r["round_trips"] for r in mine),
+            statistics.median(r["cpu_ms"] for r in mine),
             len(mine),
         )
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     lines = [
-        f"Remote-latency scenario, {stamp} UTC: {sc.title}, {args.messages} messages, "
-        f"{args.sessions} sessions; load average before {load}; medians of "
-        f"{args.repeat} alternating run(s).",
+        f"Remote-latency scenario, {stamp} UTC: {title}, {args.messages} messages queued "
+        f"then released; load average before {load}; medians of {args.repeat} alternating "
+        "run(s).",
         "",
-        "| system | delivered msg/s | round trips per message |",
-        "|---|---:|---:|",
+        "| system | delivered msg/s | round trips per message | CPU ms per message |",
+        "|---|---:|---:|---:|",
     ]
-    for label, (rate, rt, _) in med.items():
-        lines.append(f"| {label} | {rate:.0f} | {rt:.2f} |")
+    for label, (rate, rt, cpu, _) in med.items():
+        lines.append(f"| {label} | {rate:.0f} | {rt:.2f} | {cpu:.2f} |")
     one = med.get("jsqueue x1")
+    lines.append("")
     if one:
         for n in counts[1:]:
             m = med.get(f"jsqueue x{n}")
             if m:
-                lines.append(f"\nratio {n} workers / 1 worker: {m[0] / one[0]:.2f}x")
+                lines.append(f"- ratio {n} workers / 1 worker: {m[0] / one[0]:.2f}x")
     if one and "Postfix" in med:
-        lines.append(f"jsqueue x1 / Postfix: {one[0] / med['Postfix'][0]:.2f}x")
+        for n in counts:
+            m = med.get(f"jsqueue x{n}")
+            if m:
+                lines.append(f"- jsqueue x{n} / Postfix: {m[0] / med['Postfix'][0]:.2f}x")
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"remote-{stamp}.md").write_text(text)
     (RESULTS / f"remote-{stamp}.json").write_text(
-        json.dumps(
-            [
-                {
-                    "system": lbl,
-                    "delivered_rate": r.delivered_rate,
-                    "round_trips": rt,
-                    "cpu_ms": r.cpu_ms_per_msg,
-                }
-                for lbl, r, rt in rows
-            ],
-            indent=1,
-        )
+        json.dumps([{"system": lbl, **r} for lbl, r in rows], indent=1)
     )
     print()
     print(text)
