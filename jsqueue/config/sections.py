@@ -231,6 +231,11 @@ class WorkerSettings(_Section):
     connection_reuse_s: float = Field(
         300.0, gt=0, description="no reuse of an outbound session older than this, seconds"
     )
+    pipelining: bool = Field(
+        True,
+        description="MAIL, every RCPT and DATA in one write when the server offers "
+        "PIPELINING (RFC 2920); false = one command at a time",
+    )
     body_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="local body cache size")
     body_cache_dir: Path | None = Field(None, description="cache dir; a temp dir when unset")
     smarthost: SmarthostSettings | None = Field(
