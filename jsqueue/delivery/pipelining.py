@@ -17,8 +17,8 @@ when the group is exactly right; otherwise nothing is attributed:
   recipient can have the message; the next MX is tried and every recipient gets the
   failure when none is left;
 * when the DATA reply is not ``354`` an RSET follows (RFC 2920 §3.1), and its reply must
-  be ``250`` (or ``421``) with nothing after it: a late extra line shows up there before
-  any refusal is recorded; when DATA got ``354`` although no recipient was accepted, a lone
+  be ``250`` (or ``421``) with nothing after it, in time: a late extra line shows up there
+  before any refusal is recorded; when DATA got ``354`` although no recipient was accepted, a lone
   ``.`` is sent instead of a body (RFC 2920 §3.1, RFC 5321 §3.3).
 
 Per-recipient outcomes are recorded as in the one-command-at-a-time path of
@@ -274,13 +274,19 @@ async def _barrier(session: OutboundSession, stage: str, timeout_s: float, *args
     reply must be the one expected (``250`` or ``421`` to RSET) with nothing after it.
 
     Raises:
-        Desync: data out of sync before or after it, or an RSET reply that is no RSET's.
+        Desync: data out of sync before or after it, an RSET reply that is no RSET's, or
+            no reply in ``timeout_s`` seconds.
     """
     try:
         reply = await session._command(stage, timeout_s, *args)
-    except Failed as e:  # the connection ended or timed out: no sign of a shifted reply
-        log.debug("%s: %s after the pipelined group failed: %s", session.where(), stage, e)
+    except Failed as e:
         abort_connection(session.smtp)
+        if isinstance(e.__cause__, TimeoutError | aiosmtplib.SMTPTimeoutError):
+            # No answer at all: the server may be reading a body after a 354 that came
+            # late, i.e. the replies were shifted. Nothing of the group counts.
+            raise Desync(stage, b"(no reply: timed out)") from e
+        # The connection ended with nothing more sent: the group's replies stand.
+        log.debug("%s: %s after the pipelined group failed: %s", session.where(), stage, e)
         return
     if stage == "RSET" and reply.code not in (250, 421):
         raise Desync(stage, f"{reply.code} {reply.text}".encode())
