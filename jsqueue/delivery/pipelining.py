@@ -52,9 +52,13 @@ from jsqueue.replies import (
 if TYPE_CHECKING:
     from jsqueue.delivery.session import OutboundSession
 
-__all__ = ["GroupReader", "pipelined_transaction"]
+__all__ = ["RSET_TIMEOUT_S", "GroupReader", "pipelined_transaction"]
 
 log = logging.getLogger(__name__)
+
+RSET_TIMEOUT_S = 20.0
+"""Longest wait for the reply to the RSET after a refused DATA, seconds (at most
+``worker.mail_timeout_s``); Postfix's ``smtp_rset_timeout`` is 20 s as well."""
 
 
 class GroupReader:
@@ -265,7 +269,7 @@ async def pipelined_transaction(
     start = to_reply(data, host)
     for a in accepted:
         replies[a] = start
-    await _barrier(session, "RSET", s.mail_timeout_s, b"RSET")  # RFC 2920 §3.1
+    await _barrier(session, "RSET", min(s.mail_timeout_s, RSET_TIMEOUT_S), b"RSET")
     return session._result(replies)
 
 
