@@ -275,14 +275,16 @@ async def test_unsolicited_line_before_the_group_drops_the_session() -> None:
 
 @pytest.mark.parametrize("missing", ["close", "silent"])
 async def test_too_few_replies_tries_the_next_mx(missing: str) -> None:
-    """The connection closes (or the server stops answering) in the middle of the group: no
-    body went out, so the replies read so far are not used; the next MX gets every
+    """The connection closes in the middle of the group, or the server never answers DATA:
+    no body went out, so the replies read so far are not used; the next MX gets every
     recipient and delivers them in one transaction."""
     bad, good = "127.0.2.81", "127.0.2.82"
     port = shared_port([bad, good])
-    cut = CLOSE if missing == "close" else SILENT
+    faults: dict[str, object] = (
+        {"rcpt_replies": {B: CLOSE}} if missing == "close" else {"data": SILENT}
+    )
     async with (
-        ScriptedMx(bad, port, rcpt_replies={B: cut}) as first,
+        ScriptedMx(bad, port, **faults) as first,  # type: ignore[arg-type]
         SmtpdMx(good, port, pipelining=True) as second,
     ):
         result = await deliver(
@@ -292,11 +294,29 @@ async def test_too_few_replies_tries_the_next_mx(missing: str) -> None:
             ],
             envelope(A, B, C),
             body(),
-            settings_for(port, rcpt_timeout_s=1.0),
+            settings_for(port, data_init_timeout_s=1.0),
         )
     assert result.delivered == [A, B, C]
     assert first.delivered == []
     assert [t.rcpt_to for t in second.delivered] == [[A, B, C]]
+
+
+async def test_a_missing_reply_is_seen_at_the_shifted_354() -> None:
+    """The server leaves one RCPT unanswered: the 354 to DATA arrives in that RCPT's place,
+    which no RCPT can get; the group stops there (no waiting for a timeout), nothing is
+    attributed (a@ is not delivered by the reply meant for b@), all deferred with 4.5.0."""
+    host = "127.0.2.85"
+    port = shared_port([host])
+    async with ScriptedMx(host, port, rcpt_replies={B: SILENT}) as mx:
+        result = await deliver(
+            target("mx.p.example.test", host),
+            envelope(A, B, C),
+            body(),
+            settings_for(port, rcpt_timeout_s=30.0, data_init_timeout_s=30.0),
+        )
+    assert sorted(result.deferred) == sorted([A, B, C]), result.replies
+    assert all(r.enhanced == "4.5.0" for r in result.replies.values())
+    assert mx.connections == 2 and mx.delivered == []
 
 
 async def test_421_in_a_group_defers_everyone() -> None:

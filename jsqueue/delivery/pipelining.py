@@ -68,16 +68,22 @@ class GroupReader:
     (the server closes), a reply is malformed or the connection ended, so that any later
     octet is the protocol's stray data again.
 
+    A reply impossible for its command (see :func:`_impossible`) also ends the reading at
+    once: the replies are shifted (one is missing, e.g. the ``354`` arrived in an RCPT's
+    place), and waiting for the rest would only end in a timeout.
+
     Args:
         protocol: the connection's protocol.
-        expected: replies the group asks for (MAIL, each RCPT, DATA).
+        rcpts: RCPT commands in the group (after MAIL, before DATA).
     """
 
-    def __init__(self, protocol: GuardedProtocol, expected: int) -> None:
+    def __init__(self, protocol: GuardedProtocol, rcpts: int) -> None:
         self.protocol = protocol
-        self.expected = expected
+        self.rcpts = rcpts
+        self.expected = rcpts + 2
         self.parser = ReplyParser()
         self.responses: list[SMTPResponse] = []
+        self.shifted: str | None = None  # the command a reply impossible for it came to
         self.error: Exception | None = None
         self.done = False
         self._changed = asyncio.Event()
@@ -101,8 +107,13 @@ class GroupReader:
                 response = self.parser.next_reply()
                 if response is None:
                     break
+                stage = _stage(len(self.responses), self.rcpts)
                 self.responses.append(response)
                 if response.code == 421:
+                    self.detach()
+                    return
+                if _impossible(stage, response):
+                    self.shifted = stage
                     self.detach()
                     return
         except MalformedReply as e:
@@ -128,7 +139,8 @@ class GroupReader:
         per expected reply: RFC 5321 §4.5.3.2).
 
         Returns:
-            the replies in order: ``expected`` of them, or fewer ending in a ``421``.
+            the replies in order: ``expected`` of them, or fewer ending in a ``421`` or in
+            a reply impossible for its command (:attr:`shifted` is set then).
 
         Raises:
             TimeoutError: a reply did not come in time.
@@ -209,7 +221,7 @@ async def pipelined_transaction(
     timeouts = [s.mail_timeout_s] + [s.rcpt_timeout_s] * len(offered) + [s.data_init_timeout_s]
 
     await check_sync(smtp, "MAIL")  # nothing may be pending before the group goes out
-    reader = GroupReader(protocol, len(lines))
+    reader = GroupReader(protocol, len(offered))
     reader.attach()
     where = session.where()
     try:
@@ -229,13 +241,12 @@ async def pipelined_transaction(
     if responses[-1].code == 421:  # the server is closing: no body went out
         abort_connection(smtp)
         raise NextMx(to_reply(responses[-1], session.host))
+    if reader.shifted is not None:
+        last = responses[-1]
+        raise Desync(reader.shifted, f"{last.code} {last.message}".encode())
     extra = reader.extra() + protocol.unread()
     if extra:
         raise Desync("the end of the pipelined group", extra)
-    for index, response in enumerate(responses):
-        stage = _stage(index, len(offered))
-        if _impossible(stage, response):
-            raise Desync(stage, f"{response.code} {response.message}".encode())
 
     host = session.host
     mail = to_reply(responses[0], host)
