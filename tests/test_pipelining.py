@@ -280,11 +280,13 @@ async def test_too_few_replies_tries_the_next_mx(missing: str) -> None:
     recipient and delivers them in one transaction."""
     bad, good = "127.0.2.81", "127.0.2.82"
     port = shared_port([bad, good])
-    faults: dict[str, object] = (
-        {"rcpt_replies": {B: CLOSE}} if missing == "close" else {"data": SILENT}
+    faulty = (
+        ScriptedMx(bad, port, rcpt_replies={B: CLOSE})
+        if missing == "close"
+        else ScriptedMx(bad, port, data=SILENT)
     )
     async with (
-        ScriptedMx(bad, port, **faults) as first,  # type: ignore[arg-type]
+        faulty as first,
         SmtpdMx(good, port, pipelining=True) as second,
     ):
         result = await deliver(
