@@ -18,8 +18,9 @@ from test_smtp_client import (
 )
 from test_worker import SENDER_ZONE, dsn_parts, gone
 
-from jsqueue.delivery import BodySource, ConnectionCache, MxTarget, deliver
+from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
+from jsqueue.envelope import Notify, Recipient
 from support.cases import case_message, case_text
 from support.mx import CLOSE, SILENT, ScriptedMx, Session, SmtpdMx, shared_port
 from support.queue import Harness, eventually
@@ -216,6 +217,63 @@ async def test_recipient_limit_in_a_group_carries_the_rest() -> None:
         )
     assert result.delivered == rcpts, result.replies
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:5]]
+
+
+async def test_same_commands_and_parameters_with_and_without_pipelining() -> None:
+    """SIZE, BODY=8BITMIME, SMTPUTF8, RET, ENVID, NOTIFY and ORCPT (RFC 1870, 6152, 6531,
+    3461) go out byte for byte the same in a pipelined group as one at a time."""
+    host = "127.0.2.86"
+    port = shared_port([host])
+    rcpts = (
+        Recipient.from_address(
+            "bob@dsn.example.test",
+            orcpt="rfc822;bob+tag@dsn.example.test",
+            notify=frozenset({Notify.FAILURE, Notify.SUCCESS}),
+        ),
+        Recipient.from_address("jörg@dsn.example.test"),
+    )
+    env = DeliveryEnvelope(
+        domain="dsn.example.test",
+        reverse_path="",
+        recipients=rcpts,
+        envid="id 1+2",
+        ret="HDRS",
+        smtputf8=True,
+        body_8bit=True,
+    )
+    extensions = ["PIPELINING", "8BITMIME", "SMTPUTF8", "DSN", "SIZE 1000000"]
+    sent = {}
+    for pipelining in (True, False):
+        async with ScriptedMx(host, port, extensions=extensions, smtputf8=True) as mx:
+            result = await deliver(
+                target("mx.dsn.example.test", host),
+                env,
+                BodySource.from_bytes("Subject: ü\r\n\r\nx\r\n".encode()),
+                settings_for(port, pipelining=pipelining),
+            )
+        assert sorted(result.delivered) == sorted(r.address for r in rcpts)
+        sent[pipelining] = mx.commands
+    assert sent[True] == sent[False]
+    mail = next(c for c in sent[True] if c.startswith("MAIL"))
+    assert mail.endswith("BODY=8BITMIME SMTPUTF8 RET=HDRS ENVID=id+201+2B2")
+
+
+@pytest.mark.parametrize("mail", ["550 5.7.1 sender refused", "451 4.7.1 greylisted"])
+async def test_refused_mail_in_a_group(mail: str) -> None:
+    """RFC 2920 §3.1: MAIL refused, so the RCPTs and DATA of the group get 503: every
+    recipient gets the MAIL reply (not a 503), no data, RSET follows."""
+    host = "127.0.2.87"
+    port = shared_port([host])
+    async with ScriptedMx(host, port, mail=mail) as mx:
+        result = await deliver(
+            target("mx.p.example.test", host), envelope(A, B), body(), settings_for(port)
+        )
+    code, enhanced = mail.split(" ")[:2]
+    assert all((r.code, r.enhanced) == (int(code), enhanced) for r in result.replies.values()), (
+        result.replies
+    )
+    assert len(result.replies) == 2 and mx.transactions == []
+    assert command_lines(mx.sessions[0]) == ["EHLO", "MAIL", "RCPT", "RCPT", "DATA", "RSET", "QUIT"]
 
 
 # --- replies out of step with the group ---------------------------------------------------
