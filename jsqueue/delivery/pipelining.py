@@ -18,8 +18,9 @@ when the group is exactly right; otherwise nothing is attributed:
   failure when none is left;
 * when the DATA reply is not ``354`` an RSET follows (RFC 2920 §3.1), and its reply must
   be ``250`` (or ``421``) with nothing after it, in time: a late extra line shows up there
-  before any refusal is recorded; when DATA got ``354`` although no recipient was accepted, a lone
-  ``.`` is sent instead of a body (RFC 2920 §3.1, RFC 5321 §3.3).
+  before any refusal is recorded;
+* when DATA got ``354`` although no recipient was accepted, a lone ``.`` is sent instead of
+  a body (RFC 2920 §3.1, RFC 5321 §3.3).
 
 Per-recipient outcomes are recorded as in the one-command-at-a-time path of
 :mod:`.session` (same :func:`~jsqueue.delivery.responses.to_reply`, recipient limits of RFC
