@@ -18,6 +18,31 @@ STORED_REPLY_OCTETS = 512
 CUT_MARKER = " [...]"
 
 
+class TlsNote(BaseModel):
+    """Which outbound TLS policy applied to the session a reply came from, and why TLS was
+    or was not used (RFC 8461, RFC 7672, RFC 7435).
+
+    ``policy`` is ``dane``, ``mta-sts enforce``, ``mta-sts testing``, ``opportunistic`` or
+    ``manual`` (``worker.tls_policies``); ``result`` is ``success`` or an RFC 8460 §4.3
+    result type (``certificate-host-mismatch``, ``validation-failure``, ``dnssec-invalid``
+    ...), or ``none`` where no policy asked anything; ``detail`` says why in words.
+    ``policy_id`` is the MTA-STS policy id, ``mx`` the MX host name of the session.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    policy: str
+    result: str = "none"
+    detail: str = ""
+    tls: bool = False
+    mx: str | None = None
+    policy_id: str | None = None
+
+    def __str__(self) -> str:
+        used = "TLS" if self.tls else "no TLS"
+        return f"{self.policy}: {used}; {self.detail}" if self.detail else f"{self.policy}: {used}"
+
+
 class Reply(BaseModel):
     """An SMTP reply: basic code, enhanced status code, text, and who sent it.
 
@@ -32,6 +57,8 @@ class Reply(BaseModel):
     enhanced: str | None = None
     text: str = ""
     remote_host: str | None = None
+    #: the TLS policy of the session that gave (or caused) the reply; None when none ran
+    tls: TlsNote | None = None
 
     @property
     def is_permanent(self) -> bool:

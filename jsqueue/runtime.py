@@ -16,6 +16,7 @@ from dataclasses import replace
 from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
+from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
 from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.errors import JsqueueError
@@ -103,7 +104,11 @@ def build_worker(
     policy = RetryPolicy.from_settings(settings.retry)
     return Worker(
         cached,
-        SmtpDeliverer(resolver or resolver_from_settings(settings.worker), settings.worker),
+        SmtpDeliverer(
+            resolver or resolver_from_settings(settings.worker),
+            settings.worker,
+            PolicyEngine(settings.outbound_tls, settings.worker, stores.policies),
+        ),
         DsnNotifier(cached, settings.dsn, policy),
         settings.worker,
         policy,

@@ -1,0 +1,43 @@
+"""TLS notes on replies (:class:`~jsqueue.replies.TlsNote`): the note of a session put on
+every reply it gave, and the ``4.7.5`` reply of an MX a policy refused before connecting
+(RFC 8461 §4.2, RFC 7672 §2.1.1). Pure."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from jsqueue.delivery.base import DeliveryResult
+from jsqueue.delivery.resolver import MxTarget
+from jsqueue.delivery.responses import with_detail
+from jsqueue.replies import R451_TLS_REQUIRED, Reply, TlsNote
+
+if TYPE_CHECKING:
+    from jsqueue.delivery.session import OutboundSession
+
+__all__ = ["refused_reply", "with_note"]
+
+
+def refused_reply(target: MxTarget, note: TlsNote) -> Reply:
+    """``451 4.7.5`` for an MX its policy forbids, with the note."""
+    reply = with_detail(R451_TLS_REQUIRED, f"{target.host} [{target.address}]: {note.detail}")
+    return reply.model_copy(update={"tls": note})
+
+
+def with_note(result: DeliveryResult, session: OutboundSession) -> DeliveryResult:
+    """``result`` with the session's TLS note on every reply that has none. A reused
+    (cached) session did no STARTTLS now: its note says so, from the plan."""
+    note = session.tls_note
+    if note is None:
+        label = session.plan.label if session.plan is not None else session.policy.value
+        note = TlsNote(
+            policy=label,
+            result="success" if result.tls else "none",
+            detail="session reused" if result.tls else "session reused, plaintext",
+            tls=result.tls,
+            mx=session.host,
+        )
+    replies = {
+        a: r if r.tls else r.model_copy(update={"tls": note}) for a, r in result.replies.items()
+    }
+    return replace(result, replies=replies)
