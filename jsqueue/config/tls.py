@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from jsqueue.config.sections import Host, _Section
+from jsqueue.config.sections import _host, _Section
 
 
 class TlsReportSettings(_Section):
@@ -57,7 +57,7 @@ class OutboundTlsSettings(_Section):
         False,
         description="honour DANE TLSA records (RFC 7672); needs a validating resolver",
     )
-    dnssec_nameservers: list[Host] = Field(
+    dnssec_nameservers: list[str] = Field(
         default_factory=list,
         description="validating resolvers whose AD bit is trusted for DANE; "
         "empty = worker.nameservers",
@@ -69,6 +69,10 @@ class OutboundTlsSettings(_Section):
 
     @field_validator("dnssec_nameservers")
     @classmethod
-    def _no_duplicates(cls, value: list[str]) -> list[str]:
-        """Keep the order, drop repeats (each is asked in turn)."""
-        return list(dict.fromkeys(value))
+    def _addresses(cls, value: list[str]) -> list[str]:
+        """Each a host address; the order kept, repeats dropped (each is asked in turn).
+
+        Raises:
+            ValueError: one is not a host name or IP address.
+        """
+        return list(dict.fromkeys(str(_host(v)) for v in value))
