@@ -26,6 +26,10 @@ tools:
 	  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    swaks postfix >/dev/null; }
+	@command -v unbound >/dev/null || { \
+	  echo "installing unbound (Debian package): the validating resolver of the DANE tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends unbound >/dev/null; }
 
 run: install
 	$(BIN)/jsqueue up

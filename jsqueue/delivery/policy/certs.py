@@ -13,7 +13,13 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
+from cryptography.x509.verification import (
+    Criticality,
+    ExtensionPolicy,
+    PolicyBuilder,
+    Store,
+    VerificationError,
+)
 
 __all__ = ["Tlsa", "Verdict", "dane_verdict", "load_store", "peer_chain", "webpki_verdict"]
 
@@ -121,19 +127,30 @@ def load_store(ca_file: Path | None) -> list[x509.Certificate]:
 def _verify(
     chain: list[x509.Certificate], roots: list[x509.Certificate], names: list[str]
 ) -> str | None:
-    """None when ``chain`` validates to one of ``roots`` for one of ``names``, else why."""
+    """None when ``chain`` validates to one of ``roots`` for one of ``names``, else why.
+
+    Signatures, validity dates, CA constraints and the name (subjectAltName, RFC 6125)
+    are checked; the CA/Browser Forum's rules on the leaf's extensions are not (SMTP
+    servers' certificates are not web certificates: a critical subjectAltName or
+    extendedKeyUsage is no reason to defer mail)."""
     why = "no name to check"
+    leaf_policy = ExtensionPolicy.permit_all().require_present(
+        x509.SubjectAlternativeName, Criticality.AGNOSTIC, None
+    )
     for name in names:
         verifier = (
             PolicyBuilder()
             .store(Store(roots))
             .time(datetime.now(UTC))
+            .extension_policies(
+                ee_policy=leaf_policy, ca_policy=ExtensionPolicy.webpki_defaults_ca()
+            )
             .build_server_verifier(x509.DNSName(name))
         )
         try:
             verifier.verify(chain[0], chain[1:])
         except VerificationError as e:
-            why = str(e)
+            why = f"{name}: {e}".split(" (encountered")[0]
             continue
         return None
     return why

@@ -1,0 +1,227 @@
+"""DANE for SMTP (RFC 7672) end to end against Debian's validating resolver: a zone signed
+in the test (dnspython, keys made here) on our authoritative test server, unbound on a
+loopback port with that zone's key as trust anchor, scripted MXes with trustme
+certificates. Matching TLSA -> delivered over TLS; mismatching -> deferred 4.7.5 with no
+MAIL; bogus signature -> deferred, the MX never contacted; unsigned zone -> opportunistic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ssl
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+import trustme
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from jsqueue.config import OutboundTlsSettings, WorkerSettings
+from jsqueue.delivery import BodySource, DeliveryEnvelope
+from jsqueue.delivery.client import deliver_domain
+from jsqueue.delivery.policy.certs import Tlsa, dane_verdict
+from jsqueue.delivery.policy.decision import PolicyEngine
+from jsqueue.delivery.resolver import DnsResolver
+from jsqueue.envelope import Recipient
+from support.dnssec import SignedDnsServer, Unbound, break_signature, make_zone, sign
+from support.mx import ScriptedMx, shared_port
+
+HOSTS = {"ok": "127.0.2.171", "bad": "127.0.2.172", "bogus": "127.0.2.173", "ta": "127.0.2.174"}
+PLAIN = "127.0.2.175"
+MESSAGE = b"From: a@example.test\r\nTo: b@dane.test\r\nSubject: dane\r\n\r\nbody\r\n"
+
+
+def spki_sha256(pem: bytes) -> str:
+    cert = x509.load_pem_x509_certificate(pem)
+    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(spki).hexdigest()
+
+
+class World:
+    """The CA, one certificate per MX, the signed and the unsigned zone, unbound."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ca = trustme.CA()
+        self.other = trustme.CA()
+        self.tmp = tmp
+        self.leaf = {
+            k: self.ca.issue_cert(f"mx.{k}.dane.test", not_after=datetime.now() + timedelta(1))
+            for k in HOSTS
+        }
+        self.plain_leaf = self.other.issue_cert("mx.ok.plain.test")
+        ca_der = x509.load_pem_x509_certificate(self.ca.cert_pem.bytes()).public_bytes(Encoding.DER)
+        wrong = spki_sha256(self.other.issue_cert("x.dane.test").cert_chain_pems[0].bytes())
+        records = ""
+        for k, address in HOSTS.items():
+            records += f"{k} 300 IN MX 10 mx.{k}\nmx.{k} 300 IN A {address}\n"
+        ok = spki_sha256(self.leaf["ok"].cert_chain_pems[0].bytes())
+        records += f"_25._tcp.mx.ok 300 IN TLSA 3 1 1 {ok}\n"
+        # a PKIX-EE record is unusable for SMTP (RFC 7672 §3.1.3) and must be ignored
+        records += f"_25._tcp.mx.ok 300 IN TLSA 1 1 1 {wrong}\n"
+        records += f"_25._tcp.mx.bad 300 IN TLSA 3 1 1 {wrong}\n"
+        records += f"_25._tcp.mx.bogus 300 IN TLSA 3 1 1 {ok}\n"
+        records += f"_25._tcp.mx.ta 300 IN TLSA 2 0 1 {hashlib.sha256(ca_der).hexdigest()}\n"
+        self.signed = make_zone("dane.test.", records)
+        self.anchor = sign(self.signed)
+        break_signature(self.signed, "_25._tcp.mx.bogus.dane.test.", "TLSA")
+        self.plain = make_zone("plain.test.", f"ok 300 IN MX 10 mx.ok\nmx.ok 300 IN A {PLAIN}\n")
+
+    def context(self, key: str) -> ssl.SSLContext:
+        """Server context for ``mx.<key>.dane.test``; DANE-TA's chain includes the CA."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        leaf = self.plain_leaf if key == "plain" else self.leaf[key]
+        path = self.tmp / f"{key}.pem"
+        chain = leaf.private_key_and_cert_chain_pem.bytes()
+        if key == "ta":
+            chain += self.ca.cert_pem.bytes()
+        path.write_bytes(chain)
+        ctx.load_cert_chain(str(path))
+        return ctx
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[World, Unbound]]:
+    w = World(tmp_path_factory.mktemp("dane"))
+    server = SignedDnsServer([w.signed, w.plain]).start()
+    try:
+        with Unbound(server, [w.anchor], ["dane.test", "plain.test"]) as unbound:
+            yield w, unbound
+    finally:
+        server.stop()
+
+
+def settings(unbound: Unbound, port: int) -> WorkerSettings:
+    return WorkerSettings(
+        nameservers=[unbound.host],
+        nameserver_port=unbound.port,
+        mx_port=port,
+        ehlo_name="worker.example.test",
+        connect_timeout_s=5,
+        greeting_timeout_s=5,
+        mail_timeout_s=5,
+        rcpt_timeout_s=5,
+        data_init_timeout_s=5,
+        data_final_timeout_s=5,
+    )
+
+
+async def attempt(unbound: Unbound, port: int, rcpt: str):  # type: ignore[no-untyped-def]
+    ws = settings(unbound, port)
+    engine = PolicyEngine(OutboundTlsSettings(dane=True, mta_sts=False), ws)
+    r = Recipient.from_address(rcpt)
+    envelope = DeliveryEnvelope(domain=r.domain, reverse_path="a@example.test", recipients=(r,))
+    return await deliver_domain(
+        DnsResolver.from_settings(ws), envelope, BodySource.from_bytes(MESSAGE), ws, None, engine
+    )
+
+
+def verbs(mx: ScriptedMx) -> list[str]:
+    return [c.split(" ", 1)[0].upper() for c in mx.commands]
+
+
+@pytest.mark.parametrize("key", ["ok", "ta"])
+async def test_matching_tlsa_delivers_over_tls(world: tuple[World, Unbound], key: str) -> None:
+    """RFC 7672 §3.1: DANE-EE 3 1 1 (SPKI SHA-256 of the leaf) and DANE-TA 2 0 1 (the CA
+    certificate, sent in the chain; name and dates checked) authenticate the MX; the
+    unusable PKIX-EE record beside the first is ignored."""
+    w, unbound = world
+    port = shared_port(list(HOSTS.values()))
+    rcpt = f"user@{key}.dane.test"
+    async with ScriptedMx(HOSTS[key], port, name=f"mx.{key}.dane.test", tls=w.context(key)) as mx:
+        result = await attempt(unbound, port, rcpt)
+    assert result.delivered == [rcpt], result.replies
+    assert result.tls and mx.delivered[0].tls
+    note = result.replies[rcpt].tls
+    assert note is not None and note.policy == "dane" and note.result == "success"
+    assert ("DANE-EE" if key == "ok" else "DANE-TA") in note.detail
+
+
+async def test_mismatching_tlsa_defers_without_mail(world: tuple[World, Unbound]) -> None:
+    """RFC 7672 §2.2: a usable TLSA set makes authenticated TLS mandatory: no match ->
+    4.7.5, the session ends after the handshake, no MAIL in plaintext or TLS."""
+    w, unbound = world
+    port = shared_port(list(HOSTS.values()))
+    rcpt = "user@bad.dane.test"
+    async with ScriptedMx(HOSTS["bad"], port, name="mx.bad.dane.test", tls=w.context("bad")) as mx:
+        result = await attempt(unbound, port, rcpt)
+    reply = result.replies[rcpt]
+    assert reply.is_temporary and reply.enhanced == "4.7.5", reply
+    assert reply.tls is not None and reply.tls.policy == "dane"
+    assert reply.tls.result == "validation-failure"
+    assert "STARTTLS" in verbs(mx) and "MAIL" not in verbs(mx)
+    assert mx.connections == 1  # no plaintext retry
+
+
+async def test_mismatching_tlsa_without_starttls_is_never_plaintext(
+    world: tuple[World, Unbound],
+) -> None:
+    """A DANE MX that does not offer STARTTLS (a stripping attacker) is deferred."""
+    _, unbound = world
+    port = shared_port(list(HOSTS.values()))
+    rcpt = "user@ok.dane.test"
+    async with ScriptedMx(HOSTS["ok"], port, name="mx.ok.dane.test") as mx:
+        result = await attempt(unbound, port, rcpt)
+    reply = result.replies[rcpt]
+    assert reply.enhanced == "4.7.5" and reply.tls is not None
+    assert reply.tls.result == "starttls-not-supported"
+    assert "MAIL" not in verbs(mx)
+
+
+async def test_bogus_tlsa_defers_and_never_connects(world: tuple[World, Unbound]) -> None:
+    """RFC 7672 §2.1.1: a TLSA answer the validator finds bogus (SERVFAIL) defers the MX;
+    nothing is sent, in plaintext or otherwise."""
+    w, unbound = world
+    port = shared_port(list(HOSTS.values()))
+    rcpt = "user@bogus.dane.test"
+    async with ScriptedMx(
+        HOSTS["bogus"], port, name="mx.bogus.dane.test", tls=w.context("bogus")
+    ) as mx:
+        result = await attempt(unbound, port, rcpt)
+    reply = result.replies[rcpt]
+    assert reply.is_temporary and reply.enhanced == "4.7.5", reply
+    assert reply.tls is not None and reply.tls.result == "dnssec-invalid"
+    assert mx.connections == 0
+    assert "validation failure" in unbound.log
+
+
+async def test_unsigned_zone_is_opportunistic(world: tuple[World, Unbound]) -> None:
+    """An insecure MX RRset: DANE does not apply (RFC 7672 §2.2.1); opportunistic TLS
+    with any certificate, as before."""
+    w, unbound = world
+    port = shared_port([PLAIN])
+    rcpt = "user@ok.plain.test"
+    async with ScriptedMx(PLAIN, port, name="mx.ok.plain.test", tls=w.context("plain")) as mx:
+        result = await attempt(unbound, port, rcpt)
+    assert result.delivered == [rcpt] and mx.delivered[0].tls
+    note = result.replies[rcpt].tls
+    assert note is not None and note.policy == "opportunistic"
+
+
+def test_dane_matching_rules() -> None:
+    """RFC 6698 §2.1 / RFC 7672 §3.1: every selector and matching type; PKIX usages and
+    unknown parameters are unusable; DANE-EE ignores names and expiry."""
+    ca = trustme.CA()
+    expired = ca.issue_cert(
+        "other.invalid", not_before=datetime(2019, 1, 1), not_after=datetime(2020, 1, 1)
+    )
+    cert = x509.load_pem_x509_certificate(expired.cert_chain_pems[0].bytes())
+    der = cert.public_bytes(Encoding.DER)
+    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    for selector, content in ((0, der), (1, spki)):
+        for mtype, data in (
+            (0, content),
+            (1, hashlib.sha256(content).digest()),
+            (2, hashlib.sha512(content).digest()),
+        ):
+            record = Tlsa(3, selector, mtype, data)
+            assert record.usable
+            assert dane_verdict([cert], [record], ["mx.example.test"]).ok
+            assert not dane_verdict([cert], [Tlsa(3, selector, mtype, b"x" * len(data))], []).ok
+    assert not Tlsa(1, 1, 1, hashlib.sha256(spki).digest()).usable
+    assert not Tlsa(0, 0, 0, der).usable
+    assert not Tlsa(3, 2, 1, hashlib.sha256(spki).digest()).usable
+    assert not Tlsa(3, 1, 1, b"short").usable
+    pkix = Tlsa(1, 1, 1, hashlib.sha256(spki).digest())
+    assert not dane_verdict([cert], [pkix], ["mx.example.test"]).ok
