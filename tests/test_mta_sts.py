@@ -231,7 +231,7 @@ async def test_none_forgets_and_failed_fetch_uses_the_cached_policy(
     ``none`` policy removes it and delivery is opportunistic."""
     cache = MemoryPolicyCache()
     port = shared_port([MX_HOST])
-    engine, ws = engine_for(dns_server, policy_server, certs.ca_file(tmp_path), port, cache)
+    engine, _ = engine_for(dns_server, policy_server, certs.ca_file(tmp_path), port, cache)
     found = await engine.sts.lookup("strict.example.test")
     assert found.policy is not None and await cache.get("strict.example.test") is not None
     await policy_server.stop()
@@ -242,7 +242,7 @@ async def test_none_forgets_and_failed_fetch_uses_the_cached_policy(
     assert again.policy is not None and again.policy.id == "20260301T000000"
     await policy_server.start()
     policy_server.text = policy("none")
-    engine, ws = engine_for(dns_server, policy_server, certs.ca_file(tmp_path), port, cache)
+    engine, _ = engine_for(dns_server, policy_server, certs.ca_file(tmp_path), port, cache)
     gone = await engine.sts.lookup("strict.example.test")
     assert gone.policy is None and await cache.get("strict.example.test") is None
 
