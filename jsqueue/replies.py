@@ -26,7 +26,9 @@ class TlsNote(BaseModel):
     ``manual`` (``worker.tls_policies``); ``result`` is ``success`` or an RFC 8460 §4.3
     result type (``certificate-host-mismatch``, ``validation-failure``, ``dnssec-invalid``
     ...), or ``none`` where no policy asked anything; ``detail`` says why in words.
-    ``policy_id`` is the MTA-STS policy id, ``mx`` the MX host name of the session.
+    ``policy_id`` is the MTA-STS policy id, ``mx`` the MX host name of the session;
+    ``earlier`` the notes of the sessions of the same attempt that failed before this one
+    (other MXes, a failed handshake before a plaintext retry), for TLS reports.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -37,6 +39,7 @@ class TlsNote(BaseModel):
     tls: bool = False
     mx: str | None = None
     policy_id: str | None = None
+    earlier: tuple[TlsNote, ...] = ()
 
     def __str__(self) -> str:
         used = "TLS" if self.tls else "no TLS"

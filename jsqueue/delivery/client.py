@@ -16,12 +16,12 @@ from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache
 from jsqueue.delivery.connections import ConnectionCache
 from jsqueue.delivery.policy.decision import PolicyEngine, TlsPlan
-from jsqueue.delivery.policy.notes import refused_reply, with_note
+from jsqueue.delivery.policy.notes import fallback_note, last_failure, refused_reply, with_note
 from jsqueue.delivery.resolver import MxTarget, Resolver
 from jsqueue.delivery.responses import with_detail
 from jsqueue.delivery.session import NextMx, OutboundSession, TlsFallback
 from jsqueue.errors import DeliveryError
-from jsqueue.replies import R451_CONNECT_FAILED, Reply
+from jsqueue.replies import R451_CONNECT_FAILED, Reply, TlsNote
 
 __all__ = ["deliver", "deliver_domain"]
 
@@ -96,12 +96,14 @@ async def deliver(
         return DeliveryResult(replies={r.address: reply for r in recipients})
     body_cache = BodyCache(body)
     last: Reply | None = None  # every target that did not return set it
+    earlier: list[TlsNote] = []  # TLS notes of the sessions that failed (RFC 8460 counts)
     for target in targets:
         allow_tls = True
         plan = (plans or {}).get(target.host)
         if plan is not None and plan.refuse is not None:
             log.warning("%s [%s]: not used: %s", target.host, target.address, plan.refuse.detail)
             last = refused_reply(target, plan.refuse)
+            earlier.append(plan.refuse)
             continue
         while True:
             session = OutboundSession(
@@ -117,6 +119,7 @@ async def deliver(
                     e,
                 )
                 allow_tls = False
+                earlier.append(fallback_note(plan, session, e))
                 continue
             except NextMx as e:
                 log.info(
@@ -127,9 +130,12 @@ async def deliver(
                     "address of the smarthost" if target.relay else "MX",
                 )
                 last = e.reply
+                earlier.extend([e.reply.tls] if e.reply.tls else [])
                 break
-            return with_note(await _rest(result, session, cache), session)
-    failed = last or with_detail(R451_CONNECT_FAILED, "no mail exchanger answered")
+            return with_note(await _rest(result, session, cache), session, earlier)
+    failed = last_failure(last, earlier) or with_detail(
+        R451_CONNECT_FAILED, "no mail exchanger answered"
+    )
     tried = targets[-1].host
     return DeliveryResult(replies={r.address: failed for r in recipients}, tried_host=tried)
 

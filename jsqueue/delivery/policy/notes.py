@@ -13,9 +13,10 @@ from jsqueue.delivery.responses import with_detail
 from jsqueue.replies import R451_TLS_REQUIRED, Reply, TlsNote
 
 if TYPE_CHECKING:
+    from jsqueue.delivery.policy.decision import TlsPlan
     from jsqueue.delivery.session import OutboundSession
 
-__all__ = ["refused_reply", "with_note"]
+__all__ = ["fallback_note", "last_failure", "refused_reply", "with_note"]
 
 
 def refused_reply(target: MxTarget, note: TlsNote) -> Reply:
@@ -24,8 +25,28 @@ def refused_reply(target: MxTarget, note: TlsNote) -> Reply:
     return reply.model_copy(update={"tls": note})
 
 
-def with_note(result: DeliveryResult, session: OutboundSession) -> DeliveryResult:
-    """``result`` with the session's TLS note on every reply that has none. A reused
+def fallback_note(plan: TlsPlan | None, session: OutboundSession, error: Exception) -> TlsNote:
+    """The note of an opportunistic session whose handshake failed (a plaintext retry
+    follows): a failure for TLS reports (RFC 8460 ``validation-failure``)."""
+    label = plan.label if plan is not None else session.policy.value
+    detail = f"TLS handshake failed ({error}); retried in plaintext"
+    return TlsNote(policy=label, result="validation-failure", detail=detail, mx=session.host)
+
+
+def last_failure(last: Reply | None, earlier: list[TlsNote]) -> Reply | None:
+    """The reply every recipient gets when no MX took the message, its TLS note (if any)
+    listing the other failed sessions' notes as ``earlier``."""
+    if last is None or last.tls is None:
+        return last
+    before = tuple(n for n in earlier if n is not last.tls)
+    return last.model_copy(update={"tls": last.tls.model_copy(update={"earlier": before})})
+
+
+def with_note(
+    result: DeliveryResult, session: OutboundSession, earlier: list[TlsNote] | None = None
+) -> DeliveryResult:
+    """``result`` with the session's TLS note on every reply that has none, listing the
+    notes of sessions that failed before it in this attempt (``earlier``). A reused
     (cached) session did no STARTTLS now: its note says so, from the plan."""
     note = session.tls_note
     if note is None:
@@ -37,6 +58,8 @@ def with_note(result: DeliveryResult, session: OutboundSession) -> DeliveryResul
             tls=result.tls,
             mx=session.host,
         )
+    if earlier:
+        note = note.model_copy(update={"earlier": tuple(earlier)})
     replies = {
         a: r if r.tls else r.model_copy(update={"tls": note}) for a, r in result.replies.items()
     }
