@@ -6,7 +6,15 @@ matches the basic code's first digit (``tests/test_replies.py`` checks both); wi
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 #: Octets of reply text a queue entry keeps per recipient (:meth:`Reply.bounded`). Replies
 #: are recorded in the entry of every recipient they answer, and the entry store takes
@@ -40,6 +48,29 @@ class TlsNote(BaseModel):
     mx: str | None = None
     policy_id: str | None = None
     earlier: tuple[TlsNote, ...] = ()
+
+    def bounded(self, max_octets: int) -> TlsNote:
+        """This note as a queue entry keeps it: ``detail`` cut to an eighth of
+        ``max_octets`` (characters), ``earlier`` and ``mx`` (the reply's remote host)
+        dropped; the attempt's event and log line keep the whole note. Pure and
+        idempotent."""
+        keep = max(0, max_octets // 8)
+        if len(self.detail) <= keep and not self.earlier and self.mx is None:
+            return self
+        return self.model_copy(update={"detail": self.detail[:keep], "earlier": (), "mx": None})
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Fields at their default are left out of the JSON (entries keep one per reply)."""
+        data: dict[str, Any] = handler(self)
+        defaults = {"result": "none", "detail": "", "tls": False, "mx": None}
+        for key, value in defaults.items():
+            if key in data and data[key] == value:
+                del data[key]
+        for key in ("policy_id", "earlier"):
+            if not data.get(key):
+                data.pop(key, None)
+        return data
 
     def __str__(self) -> str:
         used = "TLS" if self.tls else "no TLS"
@@ -94,12 +125,13 @@ class Reply(BaseModel):
         Returns:
             ``self`` when its text fits, else a copy with the cut text.
         """
+        note = self.tls.bounded(max_octets) if self.tls is not None else None
         data = self.text.encode("utf-8")
         if len(data) <= max_octets:
-            return self
+            return self if note is self.tls else self.model_copy(update={"tls": note})
         head = data[: max(0, max_octets - len(CUT_MARKER))].decode("utf-8", "ignore").rstrip()
         text = head + CUT_MARKER if head else CUT_MARKER.strip()
-        return self.model_copy(update={"text": text})
+        return self.model_copy(update={"text": text, "tls": note})
 
     def __str__(self) -> str:
         lines = self.text.split("\n") if self.text else [""]

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import aiosmtplib
 
 from jsqueue.config import TlsPolicy
+from jsqueue.replies import TlsNote
 
 __all__ = ["QUIT_TIMEOUT_S", "CacheKey", "ConnectionCache", "IdleSession", "quit_smtp"]
 
@@ -57,6 +58,8 @@ class IdleSession:
     tls_version: str | None
     opened_at: float
     timer: asyncio.TimerHandle | None = None
+    #: the TLS policy note of the session when it was opened (a reuse repeats it)
+    tls_note: TlsNote | None = None
 
 
 class ConnectionCache:

@@ -325,6 +325,7 @@ class OutboundSession:
             idle = cache.take(self._cache_key())
             if idle is not None:
                 self.smtp, self.tls, self.tls_version = idle.smtp, idle.tls, idle.tls_version
+                self.tls_note = idle.tls_note
                 self.opened_at = idle.opened_at
                 try:
                     result = await self._transactions(idle.extensions)
@@ -359,7 +360,9 @@ class OutboundSession:
         """Hand a reusable connection to the cache; QUIT any other."""
         smtp = self.smtp
         if cache is not None and smtp is not None and self.reusable and smtp.is_connected:
-            idle = IdleSession(smtp, extensions, self.tls, self.tls_version, self.opened_at)
+            idle = IdleSession(
+                smtp, extensions, self.tls, self.tls_version, self.opened_at, None, self.tls_note
+            )
             if cache.put(self._cache_key(), idle):
                 self.smtp = None
                 return

@@ -31,6 +31,7 @@ from jsqueue.errors import PolicyError, StoreError
 from jsqueue.store.policies import PolicyCache
 
 __all__ = [
+    "DnsHttpResolver",
     "MtaSts",
     "StsLookup",
     "StsMode",
@@ -220,7 +221,7 @@ def mx_matches(pattern: str, mx_host: str) -> bool:
     return host == pattern
 
 
-class _DnsResolver(AbstractResolver):
+class DnsHttpResolver(AbstractResolver):
     """aiohttp's resolver seam, answered by dnspython through the configured nameservers
     (never the system resolver): the policy host is looked up like an MX host."""
 
@@ -318,7 +319,7 @@ class MtaSts:
         except (OSError, ssl.SSLError) as e:
             raise PolicyError(f"CA file {self._ca_file}: {e}", "sts-webpki-invalid") from e
         timeout = aiohttp.ClientTimeout(total=self._timeout_s)
-        connector = aiohttp.TCPConnector(resolver=_DnsResolver(self._resolver), ssl=context)
+        connector = aiohttp.TCPConnector(resolver=DnsHttpResolver(self._resolver), ssl=context)
         try:
             async with (
                 aiohttp.ClientSession(connector=connector, timeout=timeout) as http,

@@ -50,13 +50,14 @@ def with_note(
     (cached) session did no STARTTLS now: its note says so, from the plan."""
     note = session.tls_note
     if note is None:
-        label = session.plan.label if session.plan is not None else session.policy.value
+        plan = session.plan
         note = TlsNote(
-            policy=label,
+            policy=plan.label if plan is not None else session.policy.value,
             result="success" if result.tls else "none",
             detail="session reused" if result.tls else "session reused, plaintext",
             tls=result.tls,
             mx=session.host,
+            policy_id=plan.policy_id if plan is not None else None,
         )
     if earlier:
         note = note.model_copy(update={"earlier": tuple(earlier)})
