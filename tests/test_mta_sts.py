@@ -89,7 +89,12 @@ def dns_server() -> AsyncIterator[DnsServer]:
 
 
 def engine_for(
-    dns: DnsServer, server: PolicyServer, ca: Path, port: int, cache: PolicyCache
+    dns: DnsServer,
+    server: PolicyServer,
+    ca: Path,
+    port: int,
+    cache: PolicyCache,
+    recheck_s: float = 0.0,
 ) -> tuple[PolicyEngine, WorkerSettings]:
     ws = WorkerSettings(
         nameservers=dns.nameservers,
@@ -103,7 +108,12 @@ def engine_for(
         data_init_timeout_s=5,
         data_final_timeout_s=5,
     )
-    tls = OutboundTlsSettings(mta_sts_port=server.port, mta_sts_ca_file=ca, mta_sts_timeout_s=5)
+    tls = OutboundTlsSettings(
+        mta_sts_port=server.port,
+        mta_sts_ca_file=ca,
+        mta_sts_timeout_s=5,
+        mta_sts_recheck_s=recheck_s,
+    )
     return PolicyEngine(tls, ws, cache), ws
 
 
@@ -318,3 +328,16 @@ async def test_policy_cache_is_shared_through_jetstream(
     assert result.replies[RCPT].enhanced == "4.7.5" and "MAIL" not in verbs(mx)
     await js_stores.policies.delete("strict.example.test")
     assert await js_stores.policies.get("strict.example.test") is None
+
+
+async def test_a_lookup_is_reused_for_recheck_s(
+    certs: Certs, tmp_path: Path, dns_server: DnsServer, policy_server: PolicyServer
+) -> None:
+    """``mta_sts_recheck_s``: within it a worker asks neither DNS nor the cache again."""
+    engine, _ = engine_for(
+        dns_server, policy_server, certs.ca_file(tmp_path), 25, MemoryPolicyCache(), 60.0
+    )
+    first = await engine.sts.lookup("strict.example.test")
+    asked = len(dns_server.queries)
+    second = await engine.sts.lookup("strict.example.test")
+    assert second is first and len(dns_server.queries) == asked

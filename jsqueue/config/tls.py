@@ -50,6 +50,12 @@ class OutboundTlsSettings(_Section):
     mta_sts_timeout_s: float = Field(
         10.0, gt=0, description="policy fetch: connect and read, seconds (RFC 8461 §3.3)"
     )
+    mta_sts_recheck_s: float = Field(
+        60.0,
+        ge=0,
+        description="a worker reuses its last MTA-STS lookup of a domain this long before it "
+        "asks for the TXT record again, seconds (0: every delivery)",
+    )
     mta_sts_max_age_s: int = Field(
         31_557_600, ge=1, description="longest policy lifetime honoured, seconds (RFC 8461 §3.2)"
     )

@@ -303,7 +303,13 @@ class OutboundSession:
     def _cache_key(self) -> CacheKey:
         t = self.target
         return CacheKey(
-            t.host, t.address, t.port or self.settings.mx_port, t.relay, self.policy, self.allow_tls
+            t.host,
+            t.address,
+            t.port or self.settings.mx_port,
+            t.relay,
+            self.policy,
+            self.allow_tls,
+            f"{self.plan.label} {self.plan.policy_id}" if self.plan else "",
         )
 
     async def run(self, cache: ConnectionCache | None = None) -> DeliveryResult:

@@ -126,6 +126,7 @@ class PolicyEngine:
             ca_file=str(ca) if ca else None,
             timeout_s=settings.mta_sts_timeout_s,
             max_age_s=settings.mta_sts_max_age_s,
+            recheck_s=settings.mta_sts_recheck_s,
         )
         validators = settings.dnssec_nameservers or worker.nameservers
         self.dnssec = DnssecResolver(
@@ -153,6 +154,8 @@ class PolicyEngine:
         MTA-STS fetch falls back to the cached policy or to opportunistic TLS). Not
         idempotent: it may fetch and cache an MTA-STS policy."""
         domain = domain.lower().rstrip(".")
+        if not targets:
+            return {}
         hosts = list(dict.fromkeys(t.host for t in targets))
         manual = self.worker.tls_policies
         if any(t.relay for t in targets) or domain in manual:

@@ -269,6 +269,7 @@ class MtaSts:
             when None.
         timeout_s: fetch timeout (connect and read), seconds.
         max_age_s: upper bound on a policy's max_age, seconds.
+        recheck_s: how long a lookup's result is reused in this process, seconds (0: not).
     """
 
     def __init__(
@@ -280,7 +281,10 @@ class MtaSts:
         ca_file: str | None = None,
         timeout_s: float = 10.0,
         max_age_s: int = MAX_AGE_LIMIT_S,
+        recheck_s: float = 0.0,
     ) -> None:
+        self._recheck_s = recheck_s
+        self._memo: dict[str, tuple[float, StsLookup]] = {}
         self._resolver = resolver
         self._cache = cache
         self._port = port
@@ -367,9 +371,21 @@ class MtaSts:
         cached; a fetched ``none`` policy removes the cached one and applies nothing; a
         failed discovery or fetch falls back to the cached policy, if unexpired. Never
         raises: failures come back in :attr:`StsLookup.failure`. Idempotent apart from
-        the cache writes.
+        the cache writes. The result is reused for ``recheck_s`` seconds.
         """
         domain = domain.lower().rstrip(".")
+        now = time.monotonic()
+        memo = self._memo.get(domain)
+        if memo is not None and memo[0] > now:
+            return memo[1]
+        found = await self._lookup(domain)
+        if self._recheck_s > 0:
+            if len(self._memo) > 10_000:
+                self._memo.clear()
+            self._memo[domain] = (now + self._recheck_s, found)
+        return found
+
+    async def _lookup(self, domain: str) -> StsLookup:
         try:
             policy_id = await self.record_id(domain)
         except PolicyError as e:
