@@ -18,6 +18,8 @@ import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from jsqueue.admin import Admin
+from jsqueue.cli.render import render_detail
 from jsqueue.config import OutboundTlsSettings, WorkerSettings
 from jsqueue.delivery import BodySource, DeliveryEnvelope
 from jsqueue.delivery.client import deliver_domain
@@ -27,9 +29,11 @@ from jsqueue.delivery.resolver import DnsResolver
 from jsqueue.envelope import Recipient
 from support.dnssec import SignedDnsServer, Unbound, break_signature, make_zone, sign
 from support.mx import ScriptedMx, shared_port
+from support.queue import Harness, eventually
 
-HOSTS = {"ok": "127.0.2.171", "bad": "127.0.2.172", "bogus": "127.0.2.173", "ta": "127.0.2.174"}
-PLAIN = "127.0.2.175"
+# in the range the queue harness binds its MXes in (tests/support/queue.py, MX_HOSTS)
+HOSTS = {"ok": "127.0.2.31", "bad": "127.0.2.32", "bogus": "127.0.2.33", "ta": "127.0.2.34"}
+PLAIN = "127.0.2.35"
 MESSAGE = b"From: a@example.test\r\nTo: b@dane.test\r\nSubject: dane\r\n\r\nbody\r\n"
 
 
@@ -225,3 +229,34 @@ def test_dane_matching_rules() -> None:
     assert not Tlsa(3, 1, 1, b"short").usable
     pkix = Tlsa(1, 1, 1, hashlib.sha256(spki).digest())
     assert not dane_verdict([cert], [pkix], ["mx.example.test"]).ok
+
+
+async def test_dane_through_the_queue(world: tuple[World, Unbound], queue_harness: Harness) -> None:
+    """End to end through the front end, the JetStream queue and a worker whose resolver is
+    unbound: a matching TLSA is delivered over TLS; a mismatching one stays deferred with
+    4.7.5 and ``queue show`` says ``dane`` and why; the mismatching MX never sees MAIL."""
+    w, unbound = world
+    h = queue_harness
+    h.configure(
+        worker={"nameservers": [unbound.host], "nameserver_port": unbound.port},
+        outbound_tls={"dane": True, "mta_sts": False},
+    )
+    async with (
+        ScriptedMx(HOSTS["ok"], h.mx_port, name="mx.ok.dane.test", tls=w.context("ok")) as ok,
+        ScriptedMx(HOSTS["bad"], h.mx_port, name="mx.bad.dane.test", tls=w.context("bad")) as bad,
+        h.running(),
+    ):
+        good_id = await h.submit(MESSAGE, ["user@ok.dane.test"])
+        bad_id = await h.submit(MESSAGE, ["user@bad.dane.test"])
+        await eventually(lambda: len(ok.delivered) == 1, what="delivered over DANE")
+
+        async def tried() -> bool:
+            entry = await h.entry(bad_id)
+            return entry is not None and entry.recipients[0].attempts >= 1
+
+        await eventually(tried, what="the mismatching TLSA deferred")
+    assert ok.delivered[0].tls and await h.entry(good_id) is None
+    assert "MAIL" not in verbs(bad)
+    shown = "\n".join(render_detail(await Admin(h.stores).show(bad_id)))
+    assert "451 4.7.5" in shown and "tls:     dane: TLS;" in shown
+    assert "no TLSA record matched" in shown

@@ -341,3 +341,51 @@ async def test_a_lookup_is_reused_for_recheck_s(
     asked = len(dns_server.queries)
     second = await engine.sts.lookup("strict.example.test")
     assert second is first and len(dns_server.queries) == asked
+
+
+@pytest.mark.parametrize("variant", ["A", "B", "C", "D"])
+async def test_case20_opportunistic_through_the_policy_engine(
+    certs: Certs, variant: str, tmp_path: Path
+) -> None:
+    """CASE-20 A-D with the policy engine deciding (no MTA-STS record for the domain, so
+    ``opportunistic``): delivered in the same attempt; A over a plaintext reconnect whose
+    note records the failed handshake, B-D over TLS without verification."""
+    host, name = "127.0.2.160", "mx.tlsfail.example.test"
+    with DnsServer.from_file(CASES / "CASE-20" / "dns.txt") as dns:
+        port = shared_port([host])
+        ws = WorkerSettings(
+            nameservers=dns.nameservers,
+            nameserver_port=dns.port,
+            mx_port=port,
+            connect_timeout_s=5,
+            greeting_timeout_s=5,
+            mail_timeout_s=5,
+        )
+        engine = PolicyEngine(OutboundTlsSettings(mta_sts_timeout_s=2), ws)
+        contexts = {
+            "B": lambda: certs.server_context("other.invalid", untrusted=True),
+            "C": lambda: certs.server_context(name, expired=True),
+            "D": lambda: certs.server_context(name, max_tls12=True),
+        }
+        mx = (
+            ScriptedMx(host, port, name=name, tls_abort=True)
+            if variant == "A"
+            else ScriptedMx(host, port, name=name, tls=contexts[variant]())
+        )
+        r = Recipient.from_address("user@tlsfail.example.test")
+        envelope = DeliveryEnvelope(domain=r.domain, reverse_path="a@example.test", recipients=(r,))
+        body = BodySource.from_bytes((CASES / "CASE-20" / "message.eml").read_bytes())
+        async with mx:
+            result = await deliver_domain(
+                DnsResolver.from_settings(ws), envelope, body, ws, None, engine
+            )
+        assert ("_mta-sts.tlsfail.example.test", "TXT") in dns.queried
+    assert result.delivered == [r.address] and len(mx.delivered) == 1
+    note = result.replies[r.address].tls
+    assert note is not None and note.policy == "opportunistic"
+    if variant == "A":
+        assert mx.connections == 2 and not mx.delivered[0].tls
+        assert "MAIL" not in mx.sessions[0].verbs()
+        assert not note.tls and [e.result for e in note.earlier] == ["validation-failure"]
+    else:
+        assert mx.connections == 1 and mx.delivered[0].tls and note.tls
