@@ -7,26 +7,31 @@ MAIL; bogus signature -> deferred, the MX never contacted; unsigned zone -> oppo
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import ssl
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import trustme
+from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from jsqueue.admin import Admin
 from jsqueue.cli.render import render_detail
-from jsqueue.config import OutboundTlsSettings, WorkerSettings
+from jsqueue.config import OutboundTlsSettings, TlsReportSettings, WorkerSettings
 from jsqueue.delivery import BodySource, DeliveryEnvelope
 from jsqueue.delivery.client import deliver_domain
 from jsqueue.delivery.policy.certs import Tlsa, dane_verdict
 from jsqueue.delivery.policy.decision import PolicyEngine
+from jsqueue.delivery.policy.reporting import TlsReporter
 from jsqueue.delivery.resolver import DnsResolver
 from jsqueue.envelope import Recipient
+from jsqueue.events import Event
 from support.dnssec import SignedDnsServer, Unbound, break_signature, make_zone, sign
 from support.mx import ScriptedMx, shared_port
 from support.queue import Harness, eventually
@@ -34,6 +39,7 @@ from support.queue import Harness, eventually
 # in the range the queue harness binds its MXes in (tests/support/queue.py, MX_HOSTS)
 HOSTS = {"ok": "127.0.2.31", "bad": "127.0.2.32", "bogus": "127.0.2.33", "ta": "127.0.2.34"}
 PLAIN = "127.0.2.35"
+RECEIVER = "127.0.2.36"  # HTTPS receiver of TLS reports (reports.plain.test)
 MESSAGE = b"From: a@example.test\r\nTo: b@dane.test\r\nSubject: dane\r\n\r\nbody\r\n"
 
 
@@ -67,10 +73,14 @@ class World:
         records += f"_25._tcp.mx.bad 300 IN TLSA 3 1 1 {wrong}\n"
         records += f"_25._tcp.mx.bogus 300 IN TLSA 3 1 1 {ok}\n"
         records += f"_25._tcp.mx.ta 300 IN TLSA 2 0 1 {hashlib.sha256(ca_der).hexdigest()}\n"
+        records += '_smtp._tls.ok 300 IN TXT "v=TLSRPTv1; rua=https://reports.plain.test/r"\n'
         self.signed = make_zone("dane.test.", records)
         self.anchor = sign(self.signed)
         break_signature(self.signed, "_25._tcp.mx.bogus.dane.test.", "TLSA")
-        self.plain = make_zone("plain.test.", f"ok 300 IN MX 10 mx.ok\nmx.ok 300 IN A {PLAIN}\n")
+        self.plain = make_zone(
+            "plain.test.",
+            f"ok 300 IN MX 10 mx.ok\nmx.ok 300 IN A {PLAIN}\nreports 300 IN A {RECEIVER}\n",
+        )
 
     def context(self, key: str) -> ssl.SSLContext:
         """Server context for ``mx.<key>.dane.test``; DANE-TA's chain includes the CA."""
@@ -237,14 +247,19 @@ async def test_dane_through_the_queue(world: tuple[World, Unbound], queue_harnes
     4.7.5 and ``queue show`` says ``dane`` and why; the mismatching MX never sees MAIL."""
     w, unbound = world
     h = queue_harness
+    receiver = await Receiver(w).start()
+    ca = w.tmp / "ca.pem"
+    w.ca.cert_pem.write_to_path(str(ca))
+    report = TlsReportSettings(enabled=True, https_ca_file=ca, https_port=receiver.port)
     h.configure(
         worker={"nameservers": [unbound.host], "nameserver_port": unbound.port},
-        outbound_tls={"dane": True, "mta_sts": False},
+        outbound_tls={"dane": True, "mta_sts": False, "report": report},
     )
+    events = Collect()
     async with (
         ScriptedMx(HOSTS["ok"], h.mx_port, name="mx.ok.dane.test", tls=w.context("ok")) as ok,
         ScriptedMx(HOSTS["bad"], h.mx_port, name="mx.bad.dane.test", tls=w.context("bad")) as bad,
-        h.running(),
+        h.running(h.worker(observer=events)),
     ):
         good_id = await h.submit(MESSAGE, ["user@ok.dane.test"])
         bad_id = await h.submit(MESSAGE, ["user@bad.dane.test"])
@@ -260,3 +275,55 @@ async def test_dane_through_the_queue(world: tuple[World, Unbound], queue_harnes
     shown = "\n".join(render_detail(await Admin(h.stores).show(bad_id)))
     assert "451 4.7.5" in shown and "tls:     dane: TLS;" in shown
     assert "no TLSA record matched" in shown
+    # RFC 8460: the day's report for ok.dane.test names the TLSA RRset as policy-string
+    async with receiver:
+        reporter = TlsReporter(h.settings, [], h.stores)
+        sent = await reporter.report_day(datetime.now(UTC).date(), events.events)
+    assert [s.domain for s in sent if s.ok] == ["ok.dane.test"]
+    (body,) = receiver.posts
+    (item,) = json.loads(gzip.decompress(body))["policies"]
+    assert item["policy"]["policy-type"] == "tlsa"
+    assert item["policy"]["policy-string"][0].startswith("_25._tcp.mx.ok.dane.test. IN TLSA 3 1 1 ")
+    assert item["summary"]["total-successful-session-count"] == 1
+
+
+class Collect:
+    """An observer that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+
+class Receiver:
+    """HTTPS receiver of TLS reports on loopback (reports.plain.test)."""
+
+    def __init__(self, w: World) -> None:
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        w.ca.issue_cert("reports.plain.test").configure_cert(self.context)
+        self.posts: list[bytes] = []
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def _post(self, request: web.Request) -> web.Response:
+        self.posts.append(await request.read())
+        return web.Response(status=200)
+
+    async def start(self) -> Receiver:
+        app = web.Application()
+        app.router.add_post("/r", self._post)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, RECEIVER, 0, ssl_context=self.context)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aenter__(self) -> Receiver:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()

@@ -56,6 +56,10 @@ class Tlsa:
     def __str__(self) -> str:
         return f"{self.usage} {self.selector} {self.mtype} {self.data.hex()[:16]}"
 
+    def text(self) -> str:
+        """The record in presentation form (RFC 6698 §2.2), data in hex."""
+        return f"{self.usage} {self.selector} {self.mtype} {self.data.hex()}"
+
     def matches(self, cert: x509.Certificate) -> bool:
         """Whether ``cert`` (selector 0) or its SubjectPublicKeyInfo (selector 1), as is
         (matching type 0), or its SHA-256 (1) or SHA-512 (2) digest, equals the data."""

@@ -28,8 +28,10 @@ import dns.exception
 import dns.resolver
 
 from jsqueue.config import Settings
+from jsqueue.delivery.policy.dane import DnssecResolver, DnssecState
 from jsqueue.delivery.policy.mta_sts import DnsHttpResolver, StsPolicy
 from jsqueue.delivery.policy.tlsrpt import (
+    ReportSession,
     build_report,
     day_range,
     parse_rua,
@@ -100,6 +102,12 @@ class TlsReporter:
             self._resolver.nameservers = list(w.nameservers)
             self._resolver.port = w.nameserver_port
         self._resolver.timeout = self._resolver.lifetime = w.dns_timeout_s
+        tls = settings.outbound_tls
+        self._dnssec = DnssecResolver(
+            list(tls.dnssec_nameservers or w.nameservers),
+            port=tls.dnssec_nameserver_port or w.nameserver_port,
+            timeout_s=w.dns_timeout_s,
+        )
 
     async def events(self, day: date) -> list[Event]:
         """The attempt events stored on ``day`` (UTC), read from the events stream.
@@ -146,6 +154,17 @@ class TlsReporter:
             return {}, {}
         return {("sts", policy.id): policy.policy_strings()}, {policy.id: list(policy.mx)}
 
+    async def _tlsa_strings(self, sessions: list[ReportSession]) -> dict[Any, list[str]]:
+        """The current TLSA records of the MX hosts of the DANE sessions, as
+        ``policy-string`` (RFC 8460 §4.4: the TLSA RRset), when they validate."""
+        hosts = sorted({s.mx for s in sessions if s.policy_type == "tlsa" and s.mx})
+        lines: list[str] = []
+        for host in hosts:
+            found = await self._dnssec.tlsa(host)
+            if found.state is DnssecState.SECURE:
+                lines += [f"_25._tcp.{host}. IN TLSA {r.text()}" for r in found.records]
+        return {("tlsa", None): lines} if lines else {}
+
     async def report_day(
         self, day: date, events: Iterable[Event] | AsyncIterable[Event] | None = None
     ) -> list[SentReport]:
@@ -181,6 +200,7 @@ class TlsReporter:
             if not uris:
                 continue
             strings, patterns = await self._sts_strings(domain)
+            strings.update(await self._tlsa_strings(sessions))
             report = build_report(
                 domain,
                 sessions,
