@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import ssl
+import warnings
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509.verification import (
     Criticality,
     ExtensionPolicy,
@@ -114,17 +116,30 @@ def peer_chain(tls: object) -> list[x509.Certificate]:
 
 
 def load_store(ca_file: Path | None) -> list[x509.Certificate]:
-    """The trusted CAs from ``ca_file`` (PEM), else from the system's default CA file.
+    """The trusted CAs from ``ca_file`` (PEM), else from the system's default CA file, else
+    every ``*.pem``/``*.crt`` of its CA directory.
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: it holds no certificate.
+        ValueError: no certificate found.
     """
-    path = str(ca_file) if ca_file else ssl.get_default_verify_paths().cafile
-    if not path:
-        raise ValueError("no system CA file")
-    with open(path, "rb") as f:
-        certs = x509.load_pem_x509_certificates(f.read())
+    paths = ssl.get_default_verify_paths()
+    if ca_file is not None or paths.cafile:
+        files = [Path(str(ca_file or paths.cafile))]
+    elif paths.capath:
+        files = sorted(
+            p for p in Path(paths.capath).iterdir() if p.suffix in (".pem", ".crt") and p.is_file()
+        )
+    else:
+        files = []
+    certs: list[x509.Certificate] = []
+    with warnings.catch_warnings():
+        # some system roots have non-positive serial numbers; they still anchor chains
+        warnings.simplefilter("ignore", CryptographyDeprecationWarning)
+        for path in files:
+            certs.extend(x509.load_pem_x509_certificates(path.read_bytes()))
+    if not certs:
+        raise ValueError(f"no CA certificate in {ca_file or paths.cafile or paths.capath}")
     return certs
 
 
