@@ -26,6 +26,15 @@ tools:
 	  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    swaks postfix >/dev/null; }
+	@# unbound: the validating resolver of the DANE tests, which start their own instance; a
+	@# policy-rc.d (only for the install, when none exists) keeps the system service stopped.
+	@test -x /usr/sbin/unbound || { \
+	  echo "installing unbound (Debian package) for the DANE tests"; \
+	  rcd=/usr/sbin/policy-rc.d; made=; \
+	  if [ ! -e $$rcd ]; then printf '#!/bin/sh\nexit 101\n' > $$rcd; chmod +x $$rcd; made=1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends unbound >/dev/null; rc=$$?; \
+	  if [ -n "$$made" ]; then rm -f $$rcd; fi; exit $$rc; }
 
 run: install
 	$(BIN)/jsqueue up

@@ -16,6 +16,8 @@ from dataclasses import replace
 from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
+from jsqueue.delivery.policy.decision import PolicyEngine
+from jsqueue.delivery.policy.reporting import TlsReporter, report_loop
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
 from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.errors import JsqueueError
@@ -103,7 +105,11 @@ def build_worker(
     policy = RetryPolicy.from_settings(settings.retry)
     return Worker(
         cached,
-        SmtpDeliverer(resolver or resolver_from_settings(settings.worker), settings.worker),
+        SmtpDeliverer(
+            resolver or resolver_from_settings(settings.worker),
+            settings.worker,
+            PolicyEngine(settings.outbound_tls, settings.worker, stores.policies),
+        ),
         DsnNotifier(cached, settings.dsn, policy),
         settings.worker,
         policy,
@@ -168,6 +174,9 @@ async def run_services(
             owner = w.owner
             tasks.append(asyncio.create_task(w.run(stop)))
             tel.health.set("worker", True)
+        if worker and settings.outbound_tls.report.enabled:
+            reporter = TlsReporter(settings, urls, stores)
+            tasks.append(asyncio.create_task(report_loop(reporter, stores, stop)))
         if worker and settings.reconciler.enabled:
             reconciler = await open_reconciler(settings, urls)
             stack.push_async_callback(reconciler.close)

@@ -640,7 +640,7 @@ class Worker:
                 uncertain = r.address in delivery.uncertain
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "took=%.3fs delay=%.0fs next=%s%s",
+                    "took=%.3fs delay=%.0fs next=%s tls=%r%s",
                     entry.id,
                     r.address,
                     domain,
@@ -651,6 +651,7 @@ class Worker:
                     took,
                     age,
                     r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
+                    str(reply.tls) if reply and reply.tls else "-",
                     # RFC 5321 §6.1: the final "." went out, no reply came back
                     " uncertain=yes (may be delivered twice)" if uncertain else "",
                     extra={
@@ -665,6 +666,7 @@ class Worker:
                         "delay_s": round(age, 3),
                         "next_attempt_at": r.next_attempt_at,
                         "uncertain": uncertain,
+                        "tls": reply.tls.model_dump() if reply and reply.tls else None,
                     },
                 )
         if not events:

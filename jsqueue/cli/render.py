@@ -91,6 +91,8 @@ def render_detail(d: EntryDetail) -> list[str]:
         if r.last_reply is not None:
             host = r.last_reply.remote_host or "local"
             lines.append(f"      reply:   {r.last_reply} (from {host})")
+            if r.last_reply.tls is not None:
+                lines.append(f"      tls:     {r.last_reply.tls}")
     return lines
 
 

@@ -11,6 +11,7 @@ from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, DeliveryEnvelope
 from jsqueue.delivery.client import deliver_domain
 from jsqueue.delivery.connections import ConnectionCache
+from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.resolver import Resolver
 from jsqueue.envelope import Entry, Recipient
 
@@ -24,11 +25,16 @@ class SmtpDeliverer:
         resolver: MX (or smarthost) resolution.
         settings: the ``worker`` settings section (timeouts, TLS policy, port, connection
             cache lifetimes in seconds).
+        engine: decides each MX's TLS policy (DANE, MTA-STS; RFC 7672, RFC 8461); the
+            configured ``worker.tls`` alone when None.
     """
 
-    def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
+    def __init__(
+        self, resolver: Resolver, settings: WorkerSettings, engine: PolicyEngine | None = None
+    ) -> None:
         self.resolver = resolver
         self.settings = settings
+        self.engine = engine
         self.connections = ConnectionCache(
             idle_s=settings.connection_cache_s,
             max_age_s=settings.connection_reuse_s,
@@ -49,7 +55,7 @@ class SmtpDeliverer:
         # The worker passes the recipients it claimed: the same as the entry's open ones.
         envelope = replace(DeliveryEnvelope.from_entry(entry, domain), recipients=tuple(recipients))
         result = await deliver_domain(
-            self.resolver, envelope, body, self.settings, self.connections
+            self.resolver, envelope, body, self.settings, self.connections, self.engine
         )
         return Attempt(result.replies, result.tried_host, result.uncertain)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import aiosmtplib
 from aiosmtplib import SMTPResponse
 
-from jsqueue.config import TlsPolicy, WorkerSettings
+from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache, aclose
 from jsqueue.delivery.commands import plan_transaction
@@ -27,6 +27,7 @@ from jsqueue.delivery.connections import (
     quit_smtp,
 )
 from jsqueue.delivery.pipelining import pipelined_transaction
+from jsqueue.delivery.policy.decision import MANUAL, TlsPlan
 from jsqueue.delivery.resolver import MxTarget
 from jsqueue.delivery.responses import (
     hop_reply,
@@ -35,9 +36,9 @@ from jsqueue.delivery.responses import (
     too_many_recipients,
     with_detail,
 )
-from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback, literal_like
+from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback
+from jsqueue.delivery.starttls import starttls
 from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync
-from jsqueue.delivery.tls import client_context
 from jsqueue.delivery.transform import DotStuffer
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
@@ -47,10 +48,10 @@ from jsqueue.replies import (
     R451_CONNECTION_LOST,
     R451_PROTOCOL_ERROR,
     R451_TIMEOUT,
-    R451_TLS_REQUIRED,
     R501_BAD_FORWARD_PATH,
     R501_BAD_REVERSE_PATH,
     Reply,
+    TlsNote,
 )
 
 __all__ = ["NextMx", "OutboundSession", "TlsFallback"]
@@ -81,8 +82,11 @@ class OutboundSession:
         settings: WorkerSettings,
         allow_tls: bool,
         fresh: bool = False,
+        plan: TlsPlan | None = None,
     ) -> None:
         self.target = target
+        self.plan = plan  # the TLS policy decided for this MX (None: worker.tls only)
+        self.tls_note: TlsNote | None = None
         self.fresh = fresh
         self.desynced = False  # a desynchronised reply left carry for a fresh connection
         self.host = target.host
@@ -107,6 +111,8 @@ class OutboundSession:
             self.policy = settings.tls_policies.get(target.host.lower(), settings.tls)
         else:
             self.policy = settings.tls_policies.get(envelope.domain.lower(), settings.tls)
+        if plan is not None and plan.label != MANUAL:
+            self.policy = plan.session_policy
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -262,54 +268,9 @@ class OutboundSession:
             raise NextMx(self._translate(e, stage).reply) from e
 
     async def _starttls(self, extensions: dict[str, str]) -> dict[str, str]:
-        """STARTTLS per policy; returns the extensions to use afterwards.
-
-        Raises:
-            NextMx: TLS is required (``required``/``verify``) and STARTTLS is not offered,
-                there is no name to verify, or it is refused or fails; or the server
-                refused it with 421 or dropped the connection; or the EHLO after it failed.
-            TlsFallback: opportunistic STARTTLS failed in the handshake: retry the address
-                in plaintext.
-        """
-        assert self.smtp is not None
-        policy = self.policy
-        if policy is TlsPolicy.NEVER or (policy is TlsPolicy.OPPORTUNISTIC and not self.allow_tls):
-            return extensions
-        required = policy in (TlsPolicy.REQUIRED, TlsPolicy.VERIFY)
-        if "starttls" not in extensions:
-            if required:
-                raise NextMx(
-                    with_detail(R451_TLS_REQUIRED, f"{self.where()}: STARTTLS not offered")
-                )
-            return extensions
-        sni = None if literal_like(self.host) else self.host
-        if policy is TlsPolicy.VERIFY and sni is None:
-            raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self.where()}: no name to verify"))
-        await check_sync(self.smtp, "STARTTLS")
-        try:
-            await self.smtp.starttls(
-                server_hostname=sni,
-                tls_context=client_context(self.policy, self.settings.tls_ca_file),
-                timeout=self.settings.mail_timeout_s,
-            )
-        except aiosmtplib.SMTPResponseException as e:
-            # The server refused STARTTLS (e.g. 454) but the plaintext session is intact.
-            if e.code == 421 or required or not self.smtp.is_connected:
-                reason = f"STARTTLS refused: {e.code} {e.message}"
-                base = R451_TLS_REQUIRED if required else R451_CONNECTION_LOST
-                raise NextMx(self._fail(base, f"{self.where()}: {reason}")) from e
-            refused = f"{e.code} {e.message}"
-            log.warning("%s: STARTTLS refused (%s); continuing in plaintext", self.where(), refused)
-            return extensions
-        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
-            if required:
-                raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self.where()}: {e}")) from e
-            raise TlsFallback(str(e) or type(e).__name__) from e
-        self.tls = True
-        ssl_object = self.smtp.get_transport_info("ssl_object")
-        if isinstance(ssl_object, ssl.SSLObject):
-            self.tls_version = ssl_object.version()
-        return await self._hello()
+        """STARTTLS per policy (:func:`jsqueue.delivery.starttls.starttls`, which raises
+        NextMx or TlsFallback); returns the extensions to use afterwards."""
+        return await starttls(self, extensions)
 
     async def _auth(self) -> None:
         smarthost = self.settings.smarthost
@@ -340,7 +301,13 @@ class OutboundSession:
     def _cache_key(self) -> CacheKey:
         t = self.target
         return CacheKey(
-            t.host, t.address, t.port or self.settings.mx_port, t.relay, self.policy, self.allow_tls
+            t.host,
+            t.address,
+            t.port or self.settings.mx_port,
+            t.relay,
+            self.policy,
+            self.allow_tls,
+            f"{self.plan.label} {self.plan.policy_id}" if self.plan else "",
         )
 
     async def run(self, cache: ConnectionCache | None = None) -> DeliveryResult:
@@ -362,6 +329,7 @@ class OutboundSession:
             idle = cache.take(self._cache_key())
             if idle is not None:
                 self.smtp, self.tls, self.tls_version = idle.smtp, idle.tls, idle.tls_version
+                self.tls_note = idle.tls_note
                 self.opened_at = idle.opened_at
                 try:
                     result = await self._transactions(idle.extensions)
@@ -396,7 +364,9 @@ class OutboundSession:
         """Hand a reusable connection to the cache; QUIT any other."""
         smtp = self.smtp
         if cache is not None and smtp is not None and self.reusable and smtp.is_connected:
-            idle = IdleSession(smtp, extensions, self.tls, self.tls_version, self.opened_at)
+            idle = IdleSession(
+                smtp, extensions, self.tls, self.tls_version, self.opened_at, None, self.tls_note
+            )
             if cache.put(self._cache_key(), idle):
                 self.smtp = None
                 return
