@@ -17,6 +17,7 @@
     │   └── BodyCorrupt             the stored body does not match its SHA-256 digest
     ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
     ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
+    ├── SigningError                a message could not be DKIM-signed (it goes unsigned)
     └── DeliveryError               one delivery attempt failed
         ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
         └── PermanentDeliveryError  give up and bounce (5xx, NXDOMAIN, null MX ...)
@@ -93,6 +94,11 @@ class ProvisioningError(JsqueueError):
 
 class LockLost(JsqueueError):
     """The reconciler lock was lost (or could not be renewed) during a pass."""
+
+
+class SigningError(JsqueueError):
+    """dkimpy could not sign a message (e.g. a header section it cannot parse, RFC 6376
+    §5); the attempt sends it unsigned and says why."""
 
 
 class DeliveryError(JsqueueError):

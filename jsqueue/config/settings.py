@@ -1,7 +1,6 @@
 """The whole settings model (:class:`Settings`: every section, and its sources: init,
 environment, TOML file) and the dotted paths of its settings."""
 
-
 from __future__ import annotations
 
 import os
@@ -87,7 +86,6 @@ class Settings(BaseSettings):
         if toml_path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
-
 
 
 def model_of(info: FieldInfo) -> type[BaseModel] | None:

@@ -15,6 +15,7 @@ from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache
 from jsqueue.delivery.connections import ConnectionCache
+from jsqueue.delivery.dkim import DkimSigner
 from jsqueue.delivery.resolver import MxTarget, Resolver
 from jsqueue.delivery.responses import with_detail
 from jsqueue.delivery.session import NextMx, OutboundSession, TlsFallback
@@ -32,6 +33,7 @@ async def deliver_domain(
     body: BodySource,
     settings: WorkerSettings,
     cache: ConnectionCache | None = None,
+    signer: DkimSigner | None = None,
 ) -> DeliveryResult:
     """Resolve ``envelope.domain`` and :func:`deliver`; resolver errors become replies.
     Not idempotent: it may send the message.
@@ -42,6 +44,7 @@ async def deliver_domain(
         body: the raw message.
         settings: the ``worker`` settings section.
         cache: sessions to reuse; None = QUIT after each.
+        signer: DKIM signer; None = unsigned.
 
     Returns:
         as :func:`deliver`; on a DNS failure every recipient gets the resolver's reply
@@ -51,7 +54,7 @@ async def deliver_domain(
         targets = await resolver.resolve(envelope.domain)
     except DeliveryError as e:
         return DeliveryResult(replies={r.address: e.reply for r in envelope.recipients})
-    return await deliver(targets, envelope, body, settings, cache)
+    return await deliver(targets, envelope, body, settings, cache, signer)
 
 
 async def deliver(
@@ -60,6 +63,7 @@ async def deliver(
     body: BodySource,
     settings: WorkerSettings,
     cache: ConnectionCache | None = None,
+    signer: DkimSigner | None = None,
 ) -> DeliveryResult:
     """Run one delivery attempt over ``targets`` in order, one session each, until one
     completes a transaction (RFC 5321 §5.1); the rules are in ``docs/architecture.md``
@@ -71,6 +75,8 @@ async def deliver(
         body: the raw message; opened once per session that sends DATA.
         settings: timeouts (seconds), TLS policy, EHLO name, MX port, smarthost AUTH.
         cache: sessions to reuse and to give the session back to; None = QUIT after each.
+        signer: DKIM signer (``worker.dkim``): signs the bytes each session sends (after
+            any 7-bit conversion); None = unsigned.
 
     Returns:
         one reply per recipient address; never raises for network, protocol or TLS errors.
@@ -84,7 +90,7 @@ async def deliver(
     if not targets:
         reply = with_detail(R451_CONNECT_FAILED, "no mail exchanger to try")
         return DeliveryResult(replies={r.address: reply for r in recipients})
-    body_cache = BodyCache(body)
+    body_cache = BodyCache(body, signer, envelope.reverse_path)
     last: Reply | None = None  # every target that did not return set it
     for target in targets:
         allow_tls = True

@@ -133,6 +133,7 @@ class OutboundSession:
             tls_version=self.tls_version,
             dsn=self.dsn,
             converted_7bit=self.converted,
+            dkim=self.body.dkim(self.converted),
             uncertain=frozenset(self.uncertain),
         )
 
@@ -520,6 +521,7 @@ class OutboundSession:
             body_source = BodySource.from_bytes(converted)
             body_8bit = False
             self.converted = True
+        body_source = await self.body.outgoing(self.converted)  # DKIM-signed if a key applies
 
         limit = size_limit(extensions)
         if limit is not None and body_source.size > limit:
