@@ -114,6 +114,37 @@ def test_keys_from_a_directory_in_both_layouts(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("ktype", ["ed25519", "rsa"])
+async def test_keys_made_by_dknewkey_and_their_dns_file_work(tmp_path: Path, ktype: str) -> None:
+    """The README's key set-up: dkimpy's ``dknewkey`` writes the private key and the TXT
+    record; jsqueue loads the key, and its signature verifies against that record."""
+    _dknewkey(tmp_path, ktype)
+    [key] = load_keys(DkimSettings(keys_dir=_flat(tmp_path / "sel.key", "sel", "example.test")))
+    assert key.algorithm.value == f"{ktype}-sha256"
+    txt = (tmp_path / "sel.dns").read_text().strip()
+    parts = " ".join(f'"{txt[i : i + 200]}"' for i in range(0, len(txt), 200))
+    with DnsServer(f"sel._domainkey.example.test. TXT {parts}\n") as dns:
+        signer = DkimSigner([key], DkimSettings())
+        signed = await signer.sign(SEVEN_BIT, signer.keys_for(SEVEN_BIT, ""))
+        signer.close()
+        assert verify(signed.header + SEVEN_BIT, dns)
+
+
+def _dknewkey(directory: Path, ktype: str) -> None:
+    dknewkey = Path(sys.executable).parent / "dknewkey"
+    subprocess.run(
+        [str(dknewkey), "--ktype", ktype, "sel"], cwd=directory, check=True, capture_output=True
+    )
+
+
+def _flat(key: Path, selector: str, domain: str) -> Path:
+    """A keys_dir holding ``key`` under its flat Secret name."""
+    directory = key.parent / "keys"
+    directory.mkdir()
+    (directory / f"{selector}._domainkey.{domain}.key").write_bytes(key.read_bytes())
+    return directory
+
+
 @pytest.mark.parametrize(
     ("content", "algorithm", "reason"),
     [
