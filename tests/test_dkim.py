@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from jsqueue.delivery.signing import (
     signature_domains,
 )
 from jsqueue.envelope import Recipient
-from jsqueue.errors import ConfigError
+from jsqueue.errors import BodyNotFound, ConfigError
 from jsqueue.events import Event, EventKind
 from jsqueue.views import EntryDetail
 from support.cases import case_message
@@ -365,6 +366,56 @@ async def test_over_max_sign_octets_goes_unsigned_and_says_so(
         )
     assert mx.delivered[0].content == SEVEN_BIT
     assert result.dkim == (f"unsigned: {len(SEVEN_BIT)} octets > worker.dkim.max_sign_octets 100")
+
+
+async def test_without_keys_the_body_is_read_once_and_sent_as_it_is() -> None:
+    """No key configured: no read for signing, the session streams the message once."""
+    opened = 0
+    plain = BodySource.from_bytes(SEVEN_BIT)
+
+    def counting() -> AsyncIterator[bytes]:
+        nonlocal opened
+        opened += 1
+        return plain.open()
+
+    port = shared_port([MODERN])
+    s = settings_for(port, [])
+    async with SmtpdMx(MODERN, port) as mx:
+        result = await deliver(
+            to("mx.modern.example.test", MODERN),
+            envelope("bob@modern.example.test"),
+            BodySource(open=counting, size=plain.size),
+            s,
+            signer=DkimSigner.from_settings(s.dkim),
+        )
+    assert mx.delivered[0].content == SEVEN_BIT
+    assert opened == 1 and result.dkim is None
+
+
+async def test_a_body_gone_before_signing_defers_and_sends_nothing(
+    keys: list[tuple[TestKey, Path]],
+) -> None:
+    """The body is read for the signature before MAIL; if it is gone (an admin delete),
+    the transaction ends before its final dot with 451 4.3.0, as for a failure during
+    DATA, and nothing is delivered, signed or not."""
+
+    async def gone() -> AsyncIterator[bytes]:
+        raise BodyNotFound("q1")
+        yield b""
+
+    port = shared_port([MODERN])
+    s = settings_for(port, keys)
+    async with SmtpdMx(MODERN, port) as mx:
+        result = await deliver(
+            to("mx.modern.example.test", MODERN),
+            envelope("bob@modern.example.test"),
+            BodySource(open=gone, size=100),
+            s,
+            signer=DkimSigner.from_settings(s.dkim),
+        )
+    reply = result.replies["bob@modern.example.test"]
+    assert (reply.code, reply.enhanced) == (451, "4.3.0"), reply
+    assert mx.delivered == []
 
 
 def _author_signed_case24(author: TestKey) -> bytes:

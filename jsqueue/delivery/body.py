@@ -14,7 +14,7 @@ from jsqueue.delivery.base import BodySource
 from jsqueue.delivery.dkim import DkimSigner, Signed, SigningKey
 from jsqueue.delivery.signing import signature_domains
 from jsqueue.delivery.transform import ConversionError, has_8bit_headers, header_end, to_7bit
-from jsqueue.errors import SigningError
+from jsqueue.errors import SigningError, StoreError
 
 __all__ = ["MAX_CONVERT_OCTETS", "BodyCache", "aclose"]
 
@@ -163,20 +163,40 @@ class BodyCache:
         ``converted`` its 7-bit form (:meth:`converted` must have succeeded), with the
         ``DKIM-Signature`` fields on top (§5.6). Signed once per variant and attempt, over
         exactly these bytes. A message that cannot be signed (too large, dkimpy refuses
-        it) goes unsigned and :meth:`dkim` says why.
-
-        Raises:
-            BodyNotFound: the body source has no body (passed through).
-            BodyCorrupt: the body does not match its digest (passed through).
-            StoreUnavailable: the body store failed (passed through).
+        it) goes unsigned and :meth:`dkim` says why. When the body store fails while the
+        message is read for its signature (``BodyNotFound`` after an admin delete,
+        ``BodyCorrupt``, ``StoreUnavailable``), the source returned raises that error
+        when opened, so the transaction ends before its final dot as for a failure during
+        DATA (RFC 5321 §4.1.1.4): never raised here, never sent unsigned instead.
         """
         cached = self._outgoing.get(converted)
         if cached is not None:
             return cached
         base = BodySource.from_bytes(self._converted) if converted and self._converted else None
         plain = base or self.source
+        try:
+            out = await self._signed(converted, base, plain)
+        except StoreError as e:
+            log.warning("DKIM: the body could not be read for its signature: %r", e)
+            out = _failing(e, plain.size)
+            self._dkim[converted] = None
+        self._outgoing[converted] = out
+        return out
+
+    async def _signed(
+        self, converted: bool, base: BodySource | None, plain: BodySource
+    ) -> BodySource:
+        """:meth:`outgoing` without the store failures: those pass through.
+
+        Raises:
+            BodyNotFound: the body source has no body (passed through).
+            BodyCorrupt: the body does not match its digest (passed through).
+            StoreUnavailable: the body store failed (passed through).
+        """
         signed = Signed()
-        if self.signer is not None:
+        # Without keys the header section is read only to find signatures a conversion
+        # may break: no extra read of a message sent as it is.
+        if self.signer is not None and (self.signer.by_domain or converted):
             headers = await self.header_section()
             keys = self.signer.keys_for(headers, self.reverse_path)
             if keys:
@@ -188,12 +208,8 @@ class BodyCache:
                 )
                 log.warning("%s", note)
                 signed = Signed(signed.header, f"{signed.summary or 'none of ours'}; {note}")
-        out = plain
-        if signed.header:
-            out = _prefixed(signed.header, plain)
-        self._outgoing[converted] = out
         self._dkim[converted] = signed.summary
-        return out
+        return _prefixed(signed.header, plain) if signed.header else plain
 
     async def _sign(self, base: BodySource | None, keys: list[SigningKey]) -> Signed:
         assert self.signer is not None
@@ -213,6 +229,16 @@ class BodyCache:
         signature, ``unsigned: <why>``, a note on the message's own signatures after a
         7-bit conversion, or None (no key applies, or not signed yet)."""
         return self._dkim.get(converted)
+
+
+def _failing(error: StoreError, size: int) -> BodySource:
+    """A source that raises ``error`` when read (the DATA path aborts the transaction)."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        raise error
+        yield b""  # pragma: no cover - makes this an async generator
+
+    return BodySource(open=chunks, size=size)
 
 
 def _prefixed(header: bytes, source: BodySource) -> BodySource:
