@@ -418,6 +418,28 @@ async def test_a_body_gone_before_signing_defers_and_sends_nothing(
     assert mx.delivered == []
 
 
+async def test_a_message_dkimpy_cannot_parse_goes_unsigned_and_says_why(
+    keys: list[tuple[TestKey, Path]],
+) -> None:
+    """A header line that is no field (RFC 5322 §2.2) makes dkimpy refuse: the message is
+    delivered as it came, unsigned, and the attempt says why (SigningError)."""
+    message = b"From: a@example.test\r\nnot a header line\r\nSubject: x\r\n\r\nbody\r\n"
+    port = shared_port([MODERN])
+    s = settings_for(port, keys)
+    async with SmtpdMx(MODERN, port) as mx:
+        result = await deliver(
+            to("mx.modern.example.test", MODERN),
+            envelope("bob@modern.example.test"),
+            BodySource.from_bytes(message),
+            s,
+            signer=DkimSigner.from_settings(s.dkim),
+        )
+    assert mx.delivered[0].content == message
+    assert result.dkim is not None
+    assert result.dkim.startswith("unsigned: d=example.test s=jsq-ed a=ed25519-sha256: ")
+    assert "not a header line" in result.dkim
+
+
 def _author_signed_case24(author: TestKey) -> bytes:
     """CASE-24's DKIM variant with a real author signature in place of the placeholder."""
     message = case_message("CASE-24", "message-8bit-dkim.eml")

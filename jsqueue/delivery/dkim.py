@@ -272,7 +272,8 @@ class DkimSigner:
 
 
 def _sign(message: bytes, keys: list[SigningKey]) -> Signed:
-    """dkimpy's ``sign`` per key, relaxed/relaxed, the :func:`header_list` fields.
+    """dkimpy's ``DKIM.sign`` per key over one parse of ``message``, relaxed/relaxed, the
+    :func:`header_list` fields.
 
     Raises:
         SigningError: dkimpy raised (``DKIMException``), or its output is not a field.
@@ -281,15 +282,17 @@ def _sign(message: bytes, keys: list[SigningKey]) -> Signed:
     header_section = message if end < 0 else message[: end + 2]
     include = [n.encode() for n in header_list(field_names(header_section))]
     fields: list[bytes] = []
+    parsed: dkim.DKIM | None = None  # parsed once, signed once per key
     for key in keys:
         try:
-            value = dkim.sign(
-                message,
+            if parsed is None:
+                parsed = dkim.DKIM(message, linesep=b"\r\n")
+            value = parsed.sign(
                 key.selector.encode(),
                 key.domain.encode(),
                 key.secret,
-                canonicalize=(b"relaxed", b"relaxed"),
                 signature_algorithm=key.algorithm.value.encode(),
+                canonicalize=(b"relaxed", b"relaxed"),
                 include_headers=include,
                 length=False,
             )
