@@ -18,6 +18,7 @@
     ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
     ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
     ├── PolicyError                 a published TLS policy or report could not be had or sent
+    ├── SigningError                a message could not be DKIM-signed (it goes unsigned)
     └── DeliveryError               one delivery attempt failed
         ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
         └── PermanentDeliveryError  give up and bounce (5xx, NXDOMAIN, null MX ...)
@@ -108,6 +109,11 @@ class PolicyError(JsqueueError):
     def __init__(self, message: str, result_type: str = "validation-failure") -> None:
         super().__init__(message)
         self.result_type = result_type
+
+
+class SigningError(JsqueueError):
+    """dkimpy could not sign a message (e.g. a header section it cannot parse, RFC 6376
+    §5); the attempt sends it unsigned and says why."""
 
 
 class DeliveryError(JsqueueError):

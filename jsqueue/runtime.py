@@ -16,6 +16,7 @@ from dataclasses import replace
 from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
+from jsqueue.delivery.dkim import load_keys
 from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.policy.reporting import TlsReporter, report_loop
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
@@ -139,12 +140,15 @@ async def run_services(
 
     Raises:
         StoreUnavailable: NATS unreachable at start.
-        ConfigError: no NATS URL, or unusable front-end TLS or auth file settings.
+        ConfigError: no NATS URL, unusable front-end TLS or auth file settings, or an
+            unusable ``worker.dkim`` key.
         ProvisioningError: a stream, bucket or consumer cannot be brought in line.
         OSError: the SMTP or HTTP listen address cannot be bound (a :class:`ListenError`).
         JsqueueError: the embedded nats-server is missing or cannot start (port taken), or
             it died while running (after the orderly shutdown).
     """
+    if worker:
+        load_keys(settings.worker.dkim)  # a bad DKIM key stops the start before anything runs
     nats_died = False
 
     def on_nats_exit() -> None:

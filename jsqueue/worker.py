@@ -452,6 +452,7 @@ class Worker:
                 self._policy(v.entry),
                 self.rng,
                 reply_octets=octets,
+                dkim=delivery.dkim,
             )
             try:
                 if self._removable(new, now):
@@ -640,7 +641,7 @@ class Worker:
                 uncertain = r.address in delivery.uncertain
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "took=%.3fs delay=%.0fs next=%s tls=%r%s",
+                    "took=%.3fs delay=%.0fs next=%s tls=%r%s%s",
                     entry.id,
                     r.address,
                     domain,
@@ -654,6 +655,7 @@ class Worker:
                     str(reply.tls) if reply and reply.tls else "-",
                     # RFC 5321 §6.1: the final "." went out, no reply came back
                     " uncertain=yes (may be delivered twice)" if uncertain else "",
+                    f" dkim={delivery.dkim!r}" if delivery.dkim else "",
                     extra={
                         "queue_id": entry.id,
                         "recipient": r.address,
@@ -679,6 +681,7 @@ class Worker:
             duration_s=took,
             replies=delivery.replies,
             uncertain=delivery.uncertain,
+            dkim=delivery.dkim,
         ):
             self.observer.emit(event)
 

@@ -82,6 +82,8 @@ def render_detail(d: EntryDetail) -> list[str]:
         lines.append(f"lease:        {domain} by {lease.owner} until {_ts(lease.until)} UTC")
     if d.last_error:
         lines.append(f"last error:   {d.last_error}")
+    if d.dkim:
+        lines.append(f"dkim:         {d.dkim}")
     lines.append("recipients:")
     for r in d.recipients:
         lines.append(f"  <{r.address}>  {r.state.value}, {r.attempts} attempt(s)")

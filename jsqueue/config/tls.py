@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from jsqueue.config.sections import _host, _Section
+from jsqueue.config.base import _Section
+from jsqueue.config.sections import _host
 
 
 class TlsReportSettings(_Section):

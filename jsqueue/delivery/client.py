@@ -15,6 +15,7 @@ from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache
 from jsqueue.delivery.connections import ConnectionCache
+from jsqueue.delivery.dkim import DkimSigner
 from jsqueue.delivery.policy.decision import PolicyEngine, TlsPlan
 from jsqueue.delivery.policy.notes import fallback_note, last_failure, refused_reply, with_note
 from jsqueue.delivery.resolver import MxTarget, Resolver
@@ -35,6 +36,7 @@ async def deliver_domain(
     settings: WorkerSettings,
     cache: ConnectionCache | None = None,
     engine: PolicyEngine | None = None,
+    signer: DkimSigner | None = None,
 ) -> DeliveryResult:
     """Resolve ``envelope.domain``, decide each MX's TLS policy (``engine``; the configured
     ``worker.tls`` alone when None) and :func:`deliver`; resolver errors become replies.
@@ -47,6 +49,7 @@ async def deliver_domain(
         settings: the ``worker`` settings section.
         cache: sessions to reuse; None = QUIT after each.
         engine: decides DANE / MTA-STS / opportunistic per MX (RFC 7672, RFC 8461).
+        signer: DKIM signer; None = unsigned.
 
     Returns:
         as :func:`deliver`; on a DNS failure every recipient gets the resolver's reply
@@ -57,7 +60,7 @@ async def deliver_domain(
     except DeliveryError as e:
         return DeliveryResult(replies={r.address: e.reply for r in envelope.recipients})
     plans = await engine.plans(envelope.domain, targets) if engine is not None else None
-    return await deliver(targets, envelope, body, settings, cache, plans)
+    return await deliver(targets, envelope, body, settings, cache, plans, signer)
 
 
 async def deliver(
@@ -67,6 +70,7 @@ async def deliver(
     settings: WorkerSettings,
     cache: ConnectionCache | None = None,
     plans: Mapping[str, TlsPlan] | None = None,
+    signer: DkimSigner | None = None,
 ) -> DeliveryResult:
     """Run one delivery attempt over ``targets`` in order, one session each, until one
     completes a transaction (RFC 5321 §5.1); the rules are in ``docs/architecture.md``
@@ -80,6 +84,8 @@ async def deliver(
         cache: sessions to reuse and to give the session back to; None = QUIT after each.
         plans: the TLS plan per MX host name (:mod:`.policy.decision`); a plan that
             refuses its MX skips it with ``4.7.5``. None = ``worker.tls`` alone.
+        signer: DKIM signer (``worker.dkim``): signs the bytes each session sends (after
+            any 7-bit conversion); None = unsigned.
 
     Returns:
         one reply per recipient address (each carrying the session's TLS note);
@@ -94,7 +100,7 @@ async def deliver(
     if not targets:
         reply = with_detail(R451_CONNECT_FAILED, "no mail exchanger to try")
         return DeliveryResult(replies={r.address: reply for r in recipients})
-    body_cache = BodyCache(body)
+    body_cache = BodyCache(body, signer, envelope.reverse_path)
     last: Reply | None = None  # every target that did not return set it
     earlier: list[TlsNote] = []  # TLS notes of the sessions that failed (RFC 8460 counts)
     for target in targets:

@@ -137,6 +137,7 @@ async def plan_transaction(
         body_source = BodySource.from_bytes(data)
         body_8bit = False
         converted = True
+    body_source = await body.outgoing(converted)  # DKIM-signed when a key applies (RFC 6376)
 
     limit = size_limit(extensions)
     if limit is not None and body_source.size > limit:

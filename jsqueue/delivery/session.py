@@ -137,6 +137,7 @@ class OutboundSession:
             tls_version=self.tls_version,
             dsn=self.dsn,
             converted_7bit=self.converted,
+            dkim=self.body.dkim(self.converted),
             uncertain=frozenset(self.uncertain),
         )
 
