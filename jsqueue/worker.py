@@ -452,6 +452,7 @@ class Worker:
                 self._policy(v.entry),
                 self.rng,
                 reply_octets=octets,
+                dkim=delivery.dkim,
             )
             try:
                 if self._removable(new, now):
@@ -640,7 +641,7 @@ class Worker:
                 uncertain = r.address in delivery.uncertain
                 log.info(
                     "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "took=%.3fs delay=%.0fs next=%s%s",
+                    "took=%.3fs delay=%.0fs next=%s tls=%r%s%s",
                     entry.id,
                     r.address,
                     domain,
@@ -651,8 +652,10 @@ class Worker:
                     took,
                     age,
                     r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
+                    str(reply.tls) if reply and reply.tls else "-",
                     # RFC 5321 §6.1: the final "." went out, no reply came back
                     " uncertain=yes (may be delivered twice)" if uncertain else "",
+                    f" dkim={delivery.dkim!r}" if delivery.dkim else "",
                     extra={
                         "queue_id": entry.id,
                         "recipient": r.address,
@@ -665,6 +668,7 @@ class Worker:
                         "delay_s": round(age, 3),
                         "next_attempt_at": r.next_attempt_at,
                         "uncertain": uncertain,
+                        "tls": reply.tls.model_dump() if reply and reply.tls else None,
                     },
                 )
         if not events:
@@ -677,6 +681,7 @@ class Worker:
             duration_s=took,
             replies=delivery.replies,
             uncertain=delivery.uncertain,
+            dkim=delivery.dkim,
         ):
             self.observer.emit(event)
 

@@ -26,6 +26,7 @@ from jsqueue.config.sections import (
     WorkerSettings,
 )
 from jsqueue.config.settings import Settings, setting_paths
+from jsqueue.config.tls import OutboundTlsSettings, TlsReportSettings
 
 __all__ = [
     "CONFIG_ENV",
@@ -35,12 +36,14 @@ __all__ = [
     "HttpSettings",
     "LogSettings",
     "NatsSettings",
+    "OutboundTlsSettings",
     "ReconcilerSettings",
     "RetrySettings",
     "Settings",
     "SmarthostSettings",
     "SmtpSettings",
     "TlsPolicy",
+    "TlsReportSettings",
     "WorkerSettings",
     "env_names",
     "load_settings",

@@ -31,6 +31,7 @@ from jsqueue.config.sections import (
     SmtpSettings,
     WorkerSettings,
 )
+from jsqueue.config.tls import OutboundTlsSettings
 
 
 def _is_list(info: FieldInfo | None) -> bool:
@@ -62,6 +63,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    outbound_tls: OutboundTlsSettings = Field(default_factory=OutboundTlsSettings)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
