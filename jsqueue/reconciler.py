@@ -45,6 +45,8 @@ log = logging.getLogger("jsqueue.reconciler")
 READ_BATCH = 64
 #: How long stopping waits for the lock release, seconds.
 RELEASE_TIMEOUT_S = 2.0
+#: A recovery pass due within this many seconds is made now (timers fire a little early).
+TIMER_SLACK_S = 0.05
 
 
 # --------------------------------------------------------------------------- pure decisions
@@ -247,7 +249,8 @@ class Reconciler:
         try:
             while not stop.is_set():
                 asked = self._recovery_at
-                recovery = asked is not None and asked <= time.monotonic()
+                # (a timer may fire a little early: a recovery pass due within it is due)
+                recovery = asked is not None and asked <= time.monotonic() + TIMER_SLACK_S
                 try:
                     full = self.passes % self.settings.full_scan_every == 0
                     report = await self.run_once(full=full, recovery=recovery)
