@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import smtplib
 import statistics
 import sys
@@ -148,6 +149,7 @@ def main() -> None:
                 rows.append(measure(workdir, dns, sink, size, args))
     finally:
         sink.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     lines = [
         f"Backlog curve, {stamp} UTC, load average before {load}:",

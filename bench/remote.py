@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import statistics
 import subprocess
@@ -234,6 +235,7 @@ def main() -> None:
                     )
     finally:
         sink.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     med: dict[str, tuple[float, float, float, int]] = {}
     for label in dict.fromkeys(lbl for lbl, _ in rows):
         mine = [r for lbl, r in rows if lbl == label]
