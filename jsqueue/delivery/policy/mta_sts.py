@@ -27,7 +27,7 @@ import dns.exception
 import dns.resolver
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from jsqueue.errors import PolicyError, StoreError
+from jsqueue.errors import InvalidName, PolicyError, StoreError
 from jsqueue.store.policies import PolicyCache
 
 __all__ = [
@@ -353,7 +353,7 @@ class MtaSts:
     async def _cached(self, domain: str) -> StsPolicy | None:
         try:
             data = await self._cache.get(domain)
-        except StoreError as e:
+        except (StoreError, InvalidName) as e:
             log.warning("MTA-STS cache of %s unreadable: %s", domain, e)
             return None
         if data is None:
@@ -407,7 +407,7 @@ class MtaSts:
                 await self._cache.delete(domain)
                 return StsLookup(None, detail=f"MTA-STS policy {policy_id} is mode none")
             await self._cache.put(domain, policy.to_json(), policy.max_age_s)
-        except StoreError as e:
+        except (StoreError, InvalidName) as e:
             log.warning("MTA-STS cache of %s not written: %s", domain, e)
         log.info("MTA-STS %s: policy %s, mode %s", domain, policy_id, policy.mode.value)
         return StsLookup(policy)
