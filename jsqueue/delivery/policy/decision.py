@@ -204,7 +204,8 @@ class PolicyEngine:
 
     async def _dane(self, domain: str, targets: Sequence[MxTarget]) -> dict[str, TlsPlan]:
         """DANE plans for the hosts it applies to (RFC 7672 §2.2.1: only when the MX RRset
-        is secure; §2.2.2: and the host's address RRset; §2.1.1: bogus defers)."""
+        is secure; §2.2.2: and the host's address RRset, whose CNAME-expanded name is asked
+        for TLSA first; §2.1.1: bogus defers)."""
         implicit = all(t.preference is None for t in targets)
         mx_state = await self.dnssec.state(domain, "A" if implicit else "MX")
         if mx_state is not DnssecState.SECURE:
@@ -217,25 +218,27 @@ class PolicyEngine:
             if host in plans:
                 continue
             rdtype = "AAAA" if ":" in target.address else "A"
-            if await self.dnssec.state(host, rdtype) is not DnssecState.SECURE:
+            state, expanded = await self.dnssec.address_state(host, rdtype)
+            if state is not DnssecState.SECURE:
                 continue
-            found = await self.dnssec.tlsa(host)
+            found, base = await self.dnssec.tlsa_of(host, expanded)
             if found.state is DnssecState.BOGUS:
                 why = f"{found.detail}: DNSSEC validation failed"
                 note = TlsNote(policy=DANE, result="dnssec-invalid", detail=why, mx=host)
                 plans[host] = TlsPlan(DANE, refuse=note, detail=why, policy_domain=domain)
             elif found.state is DnssecState.SECURE and found.usable:
                 records = list(found.usable)
-                check = partial(dane_verdict, records=records, names=[host, domain])
+                names = list(dict.fromkeys([host, expanded, domain]))
+                check = partial(dane_verdict, records=records, names=names)
                 plans[host] = TlsPlan(
                     DANE,
                     required=True,
                     check=check,
                     enforce=True,
-                    detail=f"{len(records)} usable TLSA record(s) at _25._tcp.{host}",
+                    detail=f"{len(records)} usable TLSA record(s) at _25._tcp.{base}",
                     policy_domain=domain,
                 )
             elif found.state is DnssecState.SECURE and found.records:
-                why = f"TLSA at _25._tcp.{host} all unusable: encryption without authentication"
+                why = f"TLSA at _25._tcp.{base} all unusable: encryption without authentication"
                 plans[host] = TlsPlan(DANE, required=True, detail=why, policy_domain=domain)
         return plans
