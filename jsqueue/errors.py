@@ -17,6 +17,7 @@
     │   └── BodyCorrupt             the stored body does not match its SHA-256 digest
     ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
     ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
+    ├── RequestRejected             the HTTP API refuses a request (carries the HTTP status)
     └── DeliveryError               one delivery attempt failed
         ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
         └── PermanentDeliveryError  give up and bounce (5xx, NXDOMAIN, null MX ...)
@@ -93,6 +94,19 @@ class ProvisioningError(JsqueueError):
 
 class LockLost(JsqueueError):
     """The reconciler lock was lost (or could not be renewed) during a pass."""
+
+
+class RequestRejected(JsqueueError, ValueError):
+    """The HTTP API refuses a request it cannot act on: a message too large (``status``
+    413), an envelope or message that does not check out, a filter selecting too much (422).
+
+    Attributes:
+        status: the HTTP status to answer (RFC 9110 §15.5).
+    """
+
+    def __init__(self, detail: str, status: int = 422) -> None:
+        super().__init__(detail)
+        self.status = status
 
 
 class DeliveryError(JsqueueError):

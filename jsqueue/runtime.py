@@ -22,6 +22,7 @@ from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
 from jsqueue.frontend.server import serve_smtp
 from jsqueue.health import telemetry
+from jsqueue.http.app import ApiMount
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.reconciler import open_reconciler
 from jsqueue.retry import RetryPolicy
@@ -154,7 +155,13 @@ async def run_services(
             urls = nats_urls(settings)
         stores = await open_jetstream(settings.nats, urls)
         stack.push_async_callback(stores.close)
-        tel = await stack.enter_async_context(telemetry(settings, stores, urls))
+        api = None
+        if settings.api.enabled:
+
+            def api(observer: Observer) -> ApiMount:
+                return ApiMount(settings, stores, urls, observer)
+
+        tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
         tasks: list[asyncio.Task[None]] = []
         owner = "-"
         if smtp:

@@ -9,6 +9,7 @@ comma-separated value (``JSQUEUE_SMTP__RELAY_NETWORKS=10.0.0.0/8,192.0.2.0/24``)
 TOML file does: a misspelt variable is never silently ignored.
 """
 
+from jsqueue.config.api import ApiSettings
 from jsqueue.config.loading import MASK, env_names, load_settings, toml_text
 from jsqueue.config.reference import settings_reference
 from jsqueue.config.sections import (
@@ -30,6 +31,7 @@ from jsqueue.config.settings import Settings, setting_paths
 __all__ = [
     "CONFIG_ENV",
     "MASK",
+    "ApiSettings",
     "BareLinePolicy",
     "DsnSettings",
     "HttpSettings",

@@ -1,7 +1,6 @@
 """The whole settings model (:class:`Settings`: every section, and its sources: init,
 environment, TOML file) and the dotted paths of its settings."""
 
-
 from __future__ import annotations
 
 import os
@@ -21,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from jsqueue.config.api import ApiSettings
 from jsqueue.config.sections import (
     CONFIG_ENV,
     DsnSettings,
@@ -62,6 +62,7 @@ class Settings(BaseSettings):
     dsn: DsnSettings = Field(default_factory=DsnSettings)
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @model_validator(mode="after")
@@ -87,7 +88,6 @@ class Settings(BaseSettings):
         if toml_path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
-
 
 
 def model_of(info: FieldInfo) -> type[BaseModel] | None:
