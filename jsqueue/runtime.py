@@ -23,6 +23,7 @@ from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
 from jsqueue.frontend.server import serve_smtp
 from jsqueue.health import telemetry
 from jsqueue.http.app import ApiMount
+from jsqueue.http.inject import Injector
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.reconciler import open_reconciler
 from jsqueue.retry import RetryPolicy
@@ -225,5 +226,23 @@ async def open_admin(settings: Settings, *, events: bool = True) -> AsyncIterato
             return
         async with open_publisher(settings.nats, urls) as publisher:
             yield Admin(stores, publisher, source=operator_name())
+    finally:
+        await stores.close()
+
+
+@contextlib.asynccontextmanager
+async def open_injector(settings: Settings) -> AsyncIterator[Injector]:
+    """An :class:`~jsqueue.http.inject.Injector` on the configured NATS, its ``received``
+    events published to the events stream (``jsqueue inject``).
+
+    Raises:
+        StoreUnavailable: NATS unreachable.
+        ProvisioningError: see :func:`jsqueue.store.jetstream.provision`.
+    """
+    urls = nats_urls(settings)
+    stores = await open_jetstream(settings.nats, urls)
+    try:
+        async with open_publisher(settings.nats, urls) as publisher:
+            yield Injector(settings, stores, publisher)
     finally:
         await stores.close()

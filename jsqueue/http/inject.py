@@ -30,6 +30,7 @@ import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from jsqueue.config import Settings
 from jsqueue.envelope import utcnow
@@ -50,7 +51,7 @@ IDEMPOTENCY_KEY_RE = re.compile(r"^[!-~]{1,255}$")
 #: Pause between two looks for a concurrent request's stored record, seconds.
 POLL_S = 0.1
 
-__all__ = ["IDEMPOTENCY_KEY_RE", "Injector", "NotQueued"]
+__all__ = ["IDEMPOTENCY_KEY_RE", "Injector", "NotQueued", "Submitter"]
 
 
 class _Relabel:
@@ -65,9 +66,33 @@ class _Relabel:
         self._observer.emit(event.model_copy(update={"source": self._source}))
 
 
-def _keys(token: Token, idempotency_key: str) -> tuple[str, str]:
-    """(claim key, stored key) in the ingest log: SHA-256 hex of the token name and key."""
-    base = b"\0".join([b"jsqueue-http", token.name.encode(), idempotency_key.encode()])
+@dataclass(frozen=True)
+class Submitter:
+    """Who injects: the name idempotency keys are scoped to (and the ingest's
+    ``auth_user``), the events' ``source``, and the ``Received:`` field's client and
+    ``with`` keyword.
+
+    Attributes:
+        name: a token's name, or ``local:<user>`` for ``jsqueue inject``.
+        source: the events' ``source`` (``api:<token>``, ``local:<user>@<host>``).
+        client_ip: the client's address (``127.0.0.1`` for local submission).
+        protocol: ``HTTP`` (the API), ``local`` (``jsqueue inject``, as Exim writes it).
+    """
+
+    name: str
+    source: str
+    client_ip: str
+    protocol: str = "HTTP"
+
+    @classmethod
+    def of(cls, token: Token, client_ip: str) -> Submitter:
+        """The submitter of an API request made with ``token`` from ``client_ip``."""
+        return cls(token.name, token.source, client_ip)
+
+
+def _keys(who: Submitter, idempotency_key: str) -> tuple[str, str]:
+    """(claim key, stored key) in the ingest log: SHA-256 hex of the submitter and key."""
+    base = b"\0".join([b"jsqueue-http", who.name.encode(), idempotency_key.encode()])
     return (
         hashlib.sha256(base + b"\0claim").hexdigest(),
         hashlib.sha256(base + b"\0stored").hexdigest(),
@@ -110,17 +135,16 @@ class Injector:
     async def inject(
         self,
         tx: Transaction,
-        token: Token,
+        who: Submitter,
         *,
-        client_ip: str,
         idempotency_key: str | None = None,
     ) -> InjectResult:
         """Store ``tx`` durably and return its queue id.
 
         Args:
             tx: the checked transaction.
-            token: the caller (the ingest's ``auth_user`` and the events' source).
-            client_ip: the HTTP client's address, for the ``Received:`` field.
+            who: the caller (the ingest's ``auth_user``, the events' source, the
+                ``Received:`` field's client).
             idempotency_key: the ``Idempotency-Key`` header, or None.
 
         Returns:
@@ -132,8 +156,8 @@ class Injector:
         """
         log_ = self._stores.ingest
         if idempotency_key is None or log_ is None:
-            return await self._store(tx, token, client_ip, new_queue_id())
-        claim, stored = _keys(token, idempotency_key)
+            return await self._store(tx, who, new_queue_id())
+        claim, stored = _keys(who, idempotency_key)
         window = self._settings.api.idempotency_window_s
         async with self._serialised(claim):
             earlier = await log_.lookup(stored, window)
@@ -145,10 +169,10 @@ class Injector:
                 found = await self._wait_stored(stored, other, window)
                 if found is not None:
                     return self._duplicate(found, tx)
-                log.info("idempotency key of %s: taking over from %s", token.name, other)
+                log.info("idempotency key of %s: taking over from %s", who.name, other)
                 await log_.record(claim, queue_id)
             try:
-                result = await self._store(tx, token, client_ip, queue_id)
+                result = await self._store(tx, who, queue_id)
             except NotQueued:
                 try:
                     await log_.forget(claim, queue_id)
@@ -189,21 +213,20 @@ class Injector:
             queue_id=queue_id, recipients=len(tx.recipients), size=len(tx.data), duplicate=True
         )
 
-    async def _store(
-        self, tx: Transaction, token: Token, client_ip: str, queue_id: str
-    ) -> InjectResult:
+    async def _store(self, tx: Transaction, who: Submitter, queue_id: str) -> InjectResult:
         """The ingest path of the SMTP front end: trace field, body, entry, work items.
 
         Raises:
             NotQueued: a store failed; nothing of the message is kept.
         """
-        ingest = Ingest(self._smtp, self._stores, _Relabel(self._observer, token.source))
+        ingest = Ingest(self._smtp, self._stores, _Relabel(self._observer, who.source))
+        client_ip = who.client_ip
         literal = f"[IPv6:{client_ip}]" if ":" in client_ip else f"[{client_ip}]"
         received = received_header(
             helo=literal,
             client_ip=client_ip,
             hostname=self._smtp.hostname,
-            protocol="HTTP",
+            protocol=who.protocol,
             queue_id=queue_id,
             recipient=tx.recipients[0].address if len(tx.recipients) == 1 else None,
             tls=None,
@@ -221,7 +244,7 @@ class Injector:
             smtputf8=tx.smtputf8,
             helo=None,
             client_address=client_ip,
-            auth_user=token.name,
+            auth_user=who.name,
             eight_bit=not (tx.data.isascii() and received.isascii()),
         )
         stored = await ingest.commit(upload, mail)

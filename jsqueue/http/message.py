@@ -177,8 +177,9 @@ def transaction(
         max_recipients: ``smtp.max_recipients``.
 
     Raises:
-        RequestRejected: status 413 for a message over ``max_size``; 422 for a bad address,
-            DSN parameter or message, no recipient, or more than ``max_recipients``.
+        RequestRejected: status 413 for a message over ``max_size``; 422 for a bad
+            address, DSN parameter or message, no recipient, or more than
+            ``max_recipients``.
     """
     if body.message is not None:
         data = build_message(body.message, hostname)
@@ -207,13 +208,53 @@ def transaction(
         reverse, specs = body.reverse_path, body.recipients
     if len(data) > max_size:
         raise RequestRejected(f"the message is {len(data)} octets; at most {max_size}", 413)
+    envelope = checked_envelope(reverse, specs, max_recipients=max_recipients)
+    envid = None
+    if body.envid is not None:
+        try:
+            envid = parse_envid(xtext_encode(body.envid))
+        except SyntaxProblem as e:
+            raise RequestRejected(f"envid: {e}") from e
+    return Transaction(
+        envelope.reverse_path, envelope.recipients, data, envelope.smtputf8, envid, body.ret
+    )
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A checked reverse-path and forward-paths (see :func:`checked_envelope`)."""
+
+    reverse_path: str
+    recipients: list[Recipient]
+    smtputf8: bool
+
+
+def check_reverse_path(reverse_path: str) -> tuple[str, bool]:
+    """(the reverse-path, whether it is non-ASCII); ``""`` or ``<>`` is the null path.
+
+    Raises:
+        RequestRejected: not a mailbox (RFC 5321 §4.1.2).
+    """
+    if reverse_path in ("", "<>"):
+        return "", False
+    address, _, utf8 = _mailbox(reverse_path.strip("<>"), "reverse_path")
+    return address, utf8
+
+
+def checked_envelope(
+    reverse_path: str, specs: list[RecipientSpec], *, max_recipients: int
+) -> Envelope:
+    """The envelope checked as MAIL and RCPT are at the front end: mailboxes (RFC 5321
+    §4.1.2, RFC 6531 §3.3), NOTIFY and ORCPT (RFC 3461), repeats removed, the recipient
+    limit (RFC 5321 §4.5.3.1.10). SMTPUTF8 is implied by any non-ASCII address.
+
+    Raises:
+        RequestRejected: a bad reverse-path or recipient, no recipient, or more than
+            ``max_recipients`` (422).
+    """
+    reverse, smtputf8 = check_reverse_path(reverse_path)
     if not specs:
         raise RequestRejected("no recipient")
-    smtputf8 = False
-    if reverse not in ("", "<>"):
-        reverse, _, smtputf8 = _mailbox(reverse.strip("<>"), "reverse_path")
-    else:
-        reverse = ""
     smtputf8 = smtputf8 or any(not s.address.isascii() for s in specs)
     recipients: list[Recipient] = []
     seen: set[tuple[str, str]] = set()
@@ -225,10 +266,4 @@ def transaction(
             recipients.append(r)
     if len(recipients) > max_recipients:
         raise RequestRejected(f"{len(recipients)} recipients; at most {max_recipients}")
-    envid = None
-    if body.envid is not None:
-        try:
-            envid = parse_envid(xtext_encode(body.envid))
-        except SyntaxProblem as e:
-            raise RequestRejected(f"envid: {e}") from e
-    return Transaction(reverse, recipients, data, smtputf8, envid, body.ret)
+    return Envelope(reverse, recipients, smtputf8)

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from jsqueue.errors import RequestRejected, StoreUnavailable
 from jsqueue.http.auth import Role
 from jsqueue.http.context import ApiContext
-from jsqueue.http.inject import IDEMPOTENCY_KEY_RE, NotQueued
+from jsqueue.http.inject import IDEMPOTENCY_KEY_RE, NotQueued, Submitter
 from jsqueue.http.message import transaction
 from jsqueue.http.models import InjectBody, InjectResult
 from jsqueue.http.routing import Call, Route
@@ -35,7 +35,8 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
         )
         peer = call.request.remote or "127.0.0.1"
         try:
-            return await ctx.injector.inject(tx, call.token, client_ip=peer, idempotency_key=key)
+            who = Submitter.of(call.token, peer)
+            return await ctx.injector.inject(tx, who, idempotency_key=key)
         except NotQueued as e:
             raise StoreUnavailable(f"not queued: {e.reply}") from e
 
