@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -14,7 +15,6 @@ from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.jetstream import open_jetstream
 from support.nats import make_settings, read_body
-from test_cli import cli_env
 
 MESSAGE = (
     b"From: Cron <cron@example.org>\n"
@@ -26,6 +26,14 @@ MESSAGE = (
     b"\n"
     b"all good\n"
 )
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The current environment without any JSQUEUE_ setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JSQUEUE_")}
+    env["JSQUEUE_LOG__LEVEL"] = "WARNING"
+    env.update(extra)
+    return env
 
 
 async def run(*args: str, env: dict[str, str], stdin: bytes = b"") -> tuple[int, str, str]:

@@ -12,6 +12,9 @@ import sys
 def main() -> None:
     """Console-script entry point: run the command line, exit with its code."""
     from jsqueue.cli.commands import app
+    from jsqueue.cli.mail_commands import register
+
+    register()
 
     logging.captureWarnings(True)
     app(prog_name="jsqueue")

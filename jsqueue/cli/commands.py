@@ -641,7 +641,3 @@ def events_tail(
         task.result()
 
     _run_until_signal(main)
-
-
-# Commands kept in modules of their own, registered on ``app`` when they are imported.
-from jsqueue.cli import mail_commands as _mail_commands  # noqa: E402, F401

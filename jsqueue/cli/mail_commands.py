@@ -49,7 +49,6 @@ EX_CONFIG = 78
 token_app = typer.Typer(
     help="Bearer tokens of the HTTP API (api.tokens_file).", no_args_is_help=True
 )
-app.add_typer(token_app, name="token")
 
 FileOption = Annotated[
     Path | None, typer.Option("--file", help="Tokens file (default: api.tokens_file).")
@@ -276,11 +275,6 @@ async def _store(settings: Settings, tx: Transaction, user: str, *, verbose: boo
     return EX_OK
 
 
-@app.command(
-    "inject",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
-)
 def inject(ctx: typer.Context) -> None:
     """sendmail-like: queue the message on standard input. jsqueue inject [-f SENDER] [-t]
     [-i] [-N NOTIFY] [-R full|hdrs] [-V ENVID] [-v] RCPT... (--help for all).
@@ -289,3 +283,15 @@ def inject(ctx: typer.Context) -> None:
         typer.Exit: always, with the sysexits.h status (module docstring).
     """
     raise typer.Exit(_inject_main(list(ctx.args)))
+
+
+def register() -> None:
+    """Add ``token`` and ``inject`` to the ``jsqueue`` app. Idempotent."""
+    if any(g.name == "token" for g in app.registered_groups):
+        return
+    app.add_typer(token_app, name="token")
+    app.command(
+        "inject",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+    )(inject)
