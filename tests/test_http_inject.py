@@ -64,6 +64,10 @@ async def api_harness(
         yield h, ApiEnv(url, tokens, settings, h.stores, session)
 
 
+async def _gone(h: Harness, queue_id: str) -> bool:
+    return await h.entry(queue_id) is None
+
+
 def body(**extra: object) -> dict[str, object]:
     out: dict[str, object] = {
         "reverse_path": "app@example.test",
@@ -87,12 +91,23 @@ async def test_injected_message_is_delivered_byte_exact(
 ) -> None:
     h, api = api_harness
     h.dns.add(ZONE)
+    key = {"Idempotency-Key": "welcome-mail/42"}
     async with ScriptedMx("127.0.2.80", h.mx_port, extensions=["8BITMIME", "DSN"]) as mx:
-        status, result = await api.call("POST", "/api/v1/inject", role="inject", json=body())
+        status, result = await api.call(
+            "POST", "/api/v1/inject", role="inject", json=body(), headers=key
+        )
         assert status == 202, result
         queue_id = result["queue_id"]
         async with h.running():
             await eventually(lambda: len(mx.delivered) == 1, what="delivery")
+            await eventually(lambda: _gone(h, queue_id), what="entry removed")
+            # a retry after the message was delivered and removed: the same id, no mail
+            status, again = await api.call(
+                "POST", "/api/v1/inject", role="inject", json=body(), headers=key
+            )
+            assert status == 202 and again == {**result, "duplicate": True}
+            assert await h.stores.scheduler.backlog() == 0
+    assert len(mx.delivered) == 1
     tx = mx.delivered[0]
     assert tx.mail_from == "app@example.test"
     assert tx.rcpt_to == ["bob@dest.example.test"]
