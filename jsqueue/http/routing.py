@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,8 +243,6 @@ def _check_path(name: str, value: str, schema: Mapping[str, Any]) -> None:
     Raises:
         _PathProblem: it does not match.
     """
-    import re
-
     pattern = schema.get("pattern")
     if pattern is not None and not re.match(pattern, value):
         raise _PathProblem(f"path parameter {name}: {value[:40]!r} does not match {pattern}")
