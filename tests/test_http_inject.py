@@ -262,3 +262,29 @@ async def test_events_as_server_sent_events(api_harness: tuple[Harness, ApiEnv])
         while frame.startswith(b":"):
             frame = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
         assert b"event: released" in frame
+
+
+async def test_one_key_across_two_api_processes(
+    api_harness: tuple[Harness, ApiEnv], nats_server: EmbeddedNats
+) -> None:
+    """Two API endpoints on their own NATS connections (as two pods): retries with one key
+    racing through both meet at the ingest log's claim and store one message."""
+    from jsqueue.store.jetstream import open_jetstream
+
+    _, api = api_harness
+    other_stores = await open_jetstream(api.settings.nats, [nats_server.url])
+    try:
+        async with serve_api(api.settings, other_stores) as other_url:
+            key = {"Idempotency-Key": "two-pods", **api.auth("inject")}
+            urls = [api.url, other_url] * 4
+            results = await asyncio.gather(
+                *(api.session.post(u + "/api/v1/inject", json=body(), headers=key) for u in urls)
+            )
+            answers = [(r.status, await r.json()) for r in results]
+    finally:
+        await other_stores.close()
+    assert {s for s, _ in answers} == {202}, answers
+    assert len({a["queue_id"] for _, a in answers}) == 1
+    assert sum(not a["duplicate"] for _, a in answers) == 1
+    status, page = await api.call("GET", "/api/v1/queue", role="read")
+    assert status == 200 and len(page["entries"]) == 1
