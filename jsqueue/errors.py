@@ -19,6 +19,7 @@
     ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
     ├── PolicyError                 a published TLS policy or report could not be had or sent
     ├── SigningError                a message could not be DKIM-signed (it goes unsigned)
+    ├── RequestRejected             the HTTP API refuses a request (carries the HTTP status)
     └── DeliveryError               one delivery attempt failed
         ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
         └── PermanentDeliveryError  give up and bounce (5xx, NXDOMAIN, null MX ...)
@@ -114,6 +115,19 @@ class PolicyError(JsqueueError):
 class SigningError(JsqueueError):
     """dkimpy could not sign a message (e.g. a header section it cannot parse, RFC 6376
     §5); the attempt sends it unsigned and says why."""
+
+
+class RequestRejected(JsqueueError, ValueError):
+    """The HTTP API refuses a request it cannot act on: a message too large (``status``
+    413), an envelope or message that does not check out, a filter selecting too much (422).
+
+    Attributes:
+        status: the HTTP status to answer (RFC 9110 §15.5).
+    """
+
+    def __init__(self, detail: str, status: int = 422) -> None:
+        super().__init__(detail)
+        self.status = status
 
 
 class DeliveryError(JsqueueError):

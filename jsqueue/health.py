@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -68,23 +69,44 @@ class Health:
         return not self._stopping and bool(self._ready) and all(self._ready.values())
 
 
+class Extension(Protocol):
+    """Adds routes to the endpoint's application before it starts (the HTTP API,
+    :class:`jsqueue.http.app.ApiMount`)."""
+
+    client_max_size: int
+
+    def __call__(self, app: web.Application) -> None:
+        """Add routes and middleware to ``app``."""
+        ...
+
+
 class HttpServer:
-    """aiohttp server for ``/metrics``, ``/healthz`` and ``/readyz``.
+    """aiohttp server for ``/metrics``, ``/healthz`` and ``/readyz``, and what ``extension``
+    adds (the HTTP API under ``/api/``).
 
     Args:
         settings: the ``http`` settings section (listen host and port; port 0 = any).
         metrics: the registry to expose.
         health: readiness of the process.
+        extension: more routes, or None.
     """
 
-    def __init__(self, settings: HttpSettings, metrics: Metrics, health: Health) -> None:
+    def __init__(
+        self,
+        settings: HttpSettings,
+        metrics: Metrics,
+        health: Health,
+        extension: Extension | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.health = health
-        app = web.Application()
+        app = web.Application(client_max_size=extension.client_max_size if extension else 1024**2)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        if extension is not None:
+            extension(app)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         self._site: web.TCPSite | None = None
 
@@ -144,13 +166,18 @@ class HttpServer:
         )
 
 
-async def serve_http(settings: HttpSettings, metrics: Metrics, health: Health) -> HttpServer:
+async def serve_http(
+    settings: HttpSettings,
+    metrics: Metrics,
+    health: Health,
+    extension: Extension | None = None,
+) -> HttpServer:
     """Start the HTTP endpoint on the running loop; ``await server.stop()`` to end it.
 
     Raises:
         OSError: the listen address cannot be bound.
     """
-    server = HttpServer(settings, metrics, health)
+    server = HttpServer(settings, metrics, health, extension)
     await server.start()
     return server
 
@@ -174,15 +201,21 @@ class Telemetry:
 
 @contextlib.asynccontextmanager
 async def telemetry(
-    settings: Settings, stores: Stores, urls: list[str]
+    settings: Settings,
+    stores: Stores,
+    urls: list[str],
+    *,
+    api: Callable[[Observer], Extension] | None = None,
 ) -> AsyncIterator[Telemetry]:
-    """Events publisher, metrics, NATS probe and HTTP endpoint for one process.
+    """Events publisher, metrics, NATS probe and HTTP endpoint for one process; ``api``
+    makes the HTTP API's routes from the process's observer (events stream + metrics).
 
     On exit: not ready, probe stopped, HTTP endpoint closed, buffered events published
     (bounded by ``nats.request_timeout_s``), events connection closed.
 
     Raises:
         StoreUnavailable: NATS unreachable (the events connection).
+        ConfigError: the API's tokens file cannot be read or parsed.
         OSError: the HTTP listen address cannot be bound.
     """
     metrics = Metrics()
@@ -192,6 +225,7 @@ async def telemetry(
         contextlib.AsyncExitStack() as stack,
     ):
         metrics.watch_publisher(publisher)
+        observer = Fanout(publisher, metrics)
         http: HttpServer | None = None
         if settings.http.enabled:
             health.require("nats")
@@ -217,9 +251,10 @@ async def telemetry(
                 await probe_task
 
             stack.push_async_callback(end_probe)
-            http = await serve_http(settings.http, metrics, health)
+            extension = api(observer) if api is not None else None
+            http = await serve_http(settings.http, metrics, health, extension)
             stack.push_async_callback(http.stop)
         try:
-            yield Telemetry(Fanout(publisher, metrics), metrics, health, http)
+            yield Telemetry(observer, metrics, health, http)
         finally:
             health.stopping()

@@ -25,6 +25,8 @@ from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
 from jsqueue.frontend.server import serve_smtp
 from jsqueue.health import telemetry
+from jsqueue.http.app import ApiMount
+from jsqueue.http.inject import Injector
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.reconciler import open_reconciler
 from jsqueue.retry import RetryPolicy
@@ -164,7 +166,13 @@ async def run_services(
             urls = nats_urls(settings)
         stores = await open_jetstream(settings.nats, urls)
         stack.push_async_callback(stores.close)
-        tel = await stack.enter_async_context(telemetry(settings, stores, urls))
+        api = None
+        if settings.api.enabled:
+
+            def api(observer: Observer) -> ApiMount:
+                return ApiMount(settings, stores, urls, observer)
+
+        tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
         tasks: list[asyncio.Task[None]] = []
         owner = "-"
         if smtp:
@@ -231,5 +239,23 @@ async def open_admin(settings: Settings, *, events: bool = True) -> AsyncIterato
             return
         async with open_publisher(settings.nats, urls) as publisher:
             yield Admin(stores, publisher, source=operator_name())
+    finally:
+        await stores.close()
+
+
+@contextlib.asynccontextmanager
+async def open_injector(settings: Settings) -> AsyncIterator[Injector]:
+    """An :class:`~jsqueue.http.inject.Injector` on the configured NATS, its ``received``
+    events published to the events stream (``jsqueue inject``).
+
+    Raises:
+        StoreUnavailable: NATS unreachable.
+        ProvisioningError: see :func:`jsqueue.store.jetstream.provision`.
+    """
+    urls = nats_urls(settings)
+    stores = await open_jetstream(settings.nats, urls)
+    try:
+        async with open_publisher(settings.nats, urls) as publisher:
+            yield Injector(settings, stores, publisher)
     finally:
         await stores.close()

@@ -42,6 +42,7 @@ from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
 from jsqueue.store.base import Due, Stores, Versioned
+from jsqueue.worker_log import log_outcome
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -639,38 +640,7 @@ class Worker:
                 reply = delivery.replies.get(r.address) or r.last_reply
                 mx = (reply.remote_host if reply else None) or tried
                 uncertain = r.address in delivery.uncertain
-                log.info(
-                    "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "took=%.3fs delay=%.0fs next=%s tls=%r%s%s",
-                    entry.id,
-                    r.address,
-                    domain,
-                    outcome,
-                    mx or "-",
-                    str(reply) if reply else "",
-                    r.attempts,
-                    took,
-                    age,
-                    r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
-                    str(reply.tls) if reply and reply.tls else "-",
-                    # RFC 5321 §6.1: the final "." went out, no reply came back
-                    " uncertain=yes (may be delivered twice)" if uncertain else "",
-                    f" dkim={delivery.dkim!r}" if delivery.dkim else "",
-                    extra={
-                        "queue_id": entry.id,
-                        "recipient": r.address,
-                        "domain": domain,
-                        "outcome": outcome,
-                        "mx": mx,
-                        "reply": str(reply) if reply else None,
-                        "attempts": r.attempts,
-                        "took_s": round(took, 3),
-                        "delay_s": round(age, 3),
-                        "next_attempt_at": r.next_attempt_at,
-                        "uncertain": uncertain,
-                        "tls": reply.tls.model_dump() if reply and reply.tls else None,
-                    },
-                )
+                log_outcome(entry, r, domain, outcome, mx, reply, took, age, uncertain, delivery)
         if not events:
             return
         for event in attempt_events(

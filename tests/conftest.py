@@ -7,7 +7,13 @@ from collections.abc import Callable, Mapping
 import pytest
 import uvloop
 
-pytest_plugins = ["support.nats", "support.queue", "support.cluster"]
+pytest_plugins = [
+    "support.nats",
+    "support.queue",
+    "support.cluster",
+    "support.api",
+    "support.api_process",
+]
 
 
 def pytest_asyncio_loop_factories(

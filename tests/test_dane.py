@@ -39,7 +39,8 @@ from support.queue import Harness, eventually
 # in the range the queue harness binds its MXes in (tests/support/queue.py, MX_HOSTS)
 HOSTS = {"ok": "127.0.2.31", "bad": "127.0.2.32", "bogus": "127.0.2.33", "ta": "127.0.2.34"}
 PLAIN = "127.0.2.35"
-RECEIVER = "127.0.2.36"  # HTTPS receiver of TLS reports (reports.plain.test)
+RECEIVER = "127.0.2.36"
+ALIAS = "127.0.2.37"  # HTTPS receiver of TLS reports (reports.plain.test)
 MESSAGE = b"From: a@example.test\r\nTo: b@dane.test\r\nSubject: dane\r\n\r\nbody\r\n"
 
 
@@ -74,6 +75,12 @@ class World:
         records += f"_25._tcp.mx.bogus 300 IN TLSA 3 1 1 {ok}\n"
         records += f"_25._tcp.mx.ta 300 IN TLSA 2 0 1 {hashlib.sha256(ca_der).hexdigest()}\n"
         records += '_smtp._tls.ok 300 IN TXT "v=TLSRPTv1; rua=https://reports.plain.test/r"\n'
+        # RFC 7672 §2.2.2: an MX host name that is a CNAME; TLSA at the expanded name
+        self.leaf["alias"] = self.ca.issue_cert("real.alias.dane.test")
+        alias_spki = spki_sha256(self.leaf["alias"].cert_chain_pems[0].bytes())
+        records += "alias 300 IN MX 10 mx.alias\nmx.alias 300 IN CNAME real.alias\n"
+        records += f"real.alias 300 IN A {ALIAS}\n"
+        records += f"_25._tcp.real.alias 300 IN TLSA 3 1 1 {alias_spki}\n"
         self.signed = make_zone("dane.test.", records)
         self.anchor = sign(self.signed)
         break_signature(self.signed, "_25._tcp.mx.bogus.dane.test.", "TLSA")
@@ -329,3 +336,18 @@ class Receiver:
     async def __aexit__(self, *exc: object) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+async def test_tlsa_at_the_cname_expanded_mx_name(world: tuple[World, Unbound]) -> None:
+    """RFC 7672 §2.2.2: the MX host name is an alias (secure CNAME); TLSA is looked up at the
+    expanded name first, and the MX authenticated by it."""
+    w, unbound = world
+    port = shared_port([ALIAS])
+    rcpt = "user@alias.dane.test"
+    async with ScriptedMx(ALIAS, port, name="mx.alias.dane.test", tls=w.context("alias")) as mx:
+        result = await attempt(unbound, port, rcpt)
+    assert result.delivered == [rcpt] and mx.delivered[0].tls, result.replies
+    note = result.replies[rcpt].tls
+    assert note is not None and note.policy == "dane" and note.result == "success"
+    assert "_25._tcp.real.alias.dane.test" in note.detail
+    assert ("_25._tcp.real.alias.dane.test", "TLSA") in unbound.upstream.queried

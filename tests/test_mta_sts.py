@@ -5,6 +5,7 @@ cluster-wide cache on a real nats-server. CASE-20 variant E runs under a real po
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -389,3 +390,15 @@ async def test_case20_opportunistic_through_the_policy_engine(
         assert not note.tls and [e.result for e in note.earlier] == ["validation-failure"]
     else:
         assert mx.connections == 1 and mx.delivered[0].tls and note.tls
+
+
+async def test_concurrent_lookups_share_one_fetch(
+    certs: Certs, tmp_path: Path, dns_server: DnsServer, policy_server: PolicyServer
+) -> None:
+    """A burst of deliveries to a domain with no cached policy fetches it once."""
+    engine, _ = engine_for(
+        dns_server, policy_server, certs.ca_file(tmp_path), 25, MemoryPolicyCache()
+    )
+    found = await asyncio.gather(*(engine.sts.lookup("strict.example.test") for _ in range(10)))
+    assert policy_server.hits == 1
+    assert all(f.policy is not None and f.policy.id == "20260301T000000" for f in found)

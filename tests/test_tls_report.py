@@ -8,13 +8,14 @@ applied."""
 
 from __future__ import annotations
 
+import asyncio
 import email
 import email.policy
 import gzip
 import json
 import logging
 from collections.abc import AsyncIterator
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,16 @@ from aiohttp import web
 
 from jsqueue.admin import Admin
 from jsqueue.cli.render import render_detail
-from jsqueue.config import TlsReportSettings
-from jsqueue.delivery.policy.reporting import TlsReporter
+from jsqueue.config import NatsSettings, Settings, TlsReportSettings
+from jsqueue.delivery.policy.reporting import SentReport, TlsReporter, _report_once, report_loop
 from jsqueue.delivery.policy.tlsrpt import build_report, parse_rua, sessions_by_domain
 from jsqueue.envelope import Entry, Recipient
 from jsqueue.events import EventKind, Fanout, open_publisher, recipient_event
 from jsqueue.metrics import Metrics
+from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.replies import Reply, TlsNote
+from jsqueue.store.base import Stores
 from support.mx import Certs, ScriptedMx
 from support.queue import Harness, eventually
 
@@ -355,3 +358,32 @@ def test_report_of_synthetic_events_and_rua_parsing() -> None:
     assert item["summary"]["total-successful-session-count"] == 1
     assert item["failure-details"][0]["receiving-mx-hostname"] == "mx1.d.test"
     assert report["date-range"]["start-datetime"] == "2026-12-01T00:00:00Z"
+
+
+async def test_yesterday_is_reported_once_across_workers(
+    js_stores: Stores, nats_server: EmbeddedNats, nats_settings: NatsSettings, names: Names
+) -> None:
+    """The daily task: whichever worker checks first (under the ``tls-report`` lock)
+    reports yesterday and leaves a mark in the policy bucket; later checks, by it or by
+    another worker, send nothing; the loop ends when asked to stop."""
+    calls: list[date] = []
+
+    class Counting(TlsReporter):
+        async def report_day(self, day: date, events: object = None) -> list[SentReport]:
+            calls.append(day)
+            return []
+
+    settings = Settings(nats=nats_settings.model_copy(update={"prefix": names.prefix}))
+    one = Counting(settings, [nats_server.url], js_stores)
+    two = Counting(settings, [nats_server.url], js_stores)
+    for reporter in (one, two, one):
+        await _report_once(reporter, js_stores)
+    yesterday = (datetime.now(UTC) - timedelta(days=1)).date()
+    assert calls == [yesterday]
+    assert js_stores.policies is not None
+    assert await js_stores.policies.get(f"tlsrpt-{yesterday.isoformat()}") is not None
+    stop = asyncio.Event()
+    loop = asyncio.create_task(report_loop(two, js_stores, stop))
+    stop.set()
+    await asyncio.wait_for(loop, 5)
+    assert calls == [yesterday]

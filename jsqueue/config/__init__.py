@@ -9,6 +9,7 @@ comma-separated value (``JSQUEUE_SMTP__RELAY_NETWORKS=10.0.0.0/8,192.0.2.0/24``)
 TOML file does: a misspelt variable is never silently ignored.
 """
 
+from jsqueue.config.api import ApiSettings
 from jsqueue.config.loading import MASK, env_names, load_settings, toml_text
 from jsqueue.config.reference import settings_reference
 from jsqueue.config.sections import (
@@ -31,6 +32,7 @@ from jsqueue.config.tls import OutboundTlsSettings, TlsReportSettings
 __all__ = [
     "CONFIG_ENV",
     "MASK",
+    "ApiSettings",
     "BareLinePolicy",
     "DsnSettings",
     "HttpSettings",

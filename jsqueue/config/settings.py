@@ -20,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from jsqueue.config.api import ApiSettings
 from jsqueue.config.sections import (
     CONFIG_ENV,
     DsnSettings,
@@ -62,6 +63,7 @@ class Settings(BaseSettings):
     dsn: DsnSettings = Field(default_factory=DsnSettings)
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     outbound_tls: OutboundTlsSettings = Field(default_factory=OutboundTlsSettings)
 

@@ -93,14 +93,25 @@ class SignedDnsServer(DnsServer):
         response.flags |= dns.flags.AA
         do = bool(query.ednsflags & dns.flags.DO)
         node = zone.get_node(name)
-        if node is not None:
+        for _ in range(8):  # in-zone CNAME chains are followed, as authoritative servers do
+            if node is None:
+                break
             found = node.get_rdataset(dns.rdataclass.IN, qtype)
             if found is not None:
                 response.answer.append(_rrset(name, found))
                 if do:
                     self._add_sig(response.answer, node, name, qtype)
                 return response
-            self._negative(response, zone, do, [name])
+            alias = node.get_rdataset(dns.rdataclass.IN, dns.rdatatype.CNAME)
+            if alias is None or qtype == dns.rdatatype.CNAME:
+                self._negative(response, zone, do, [name])
+                return response
+            response.answer.append(_rrset(name, alias))
+            if do:
+                self._add_sig(response.answer, node, name, dns.rdatatype.CNAME)
+            name = alias[0].target  # type: ignore[attr-defined]
+            node = zone.get_node(name)
+        if node is not None:
             return response
         response.set_rcode(dns.rcode.NXDOMAIN)
         wildcard = dns.name.from_text("*", zone.origin)

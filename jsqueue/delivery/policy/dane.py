@@ -93,6 +93,34 @@ class DnssecResolver:
         state, _ = await self.query(name, rdtype)
         return state
 
+    async def address_state(self, host: str, rdtype: str) -> tuple[DnssecState, str]:
+        """The DNSSEC state of ``host``'s address RRset and the name it expands to through
+        CNAMEs in the answer (``host`` itself when none; RFC 7672 §2.2.2)."""
+        state, response = await self.query(host, rdtype)
+        name = dns.name.from_text(host)
+        for _ in range(8):
+            alias = next(
+                (
+                    r
+                    for r in (response.answer if response is not None else [])
+                    if r.rdtype == dns.rdatatype.CNAME and r.name == name
+                ),
+                None,
+            )
+            if alias is None:
+                break
+            name = alias[0].target
+        return state, name.to_text(omit_final_dot=True)
+
+    async def tlsa_of(self, host: str, expanded: str) -> tuple[TlsaLookup, str]:
+        """RFC 7672 §2.2.2: the TLSA RRset of the CNAME-expanded name when there is one,
+        else of the original MX host name; and the name it was found at. Never raises."""
+        if expanded != host:
+            found = await self.tlsa(expanded)
+            if found.state is DnssecState.BOGUS or found.records:
+                return found, expanded
+        return await self.tlsa(host), host
+
     async def tlsa(self, mx_host: str, port: int = 25) -> TlsaLookup:
         """The TLSA RRset at ``_<port>._tcp.<mx_host>`` (RFC 7672 §2.2: port 25 whatever
         port is dialled) and its state. Never raises."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import dns.asyncresolver
 from cryptography import x509
@@ -179,35 +180,32 @@ class PolicyEngine:
         if policy is None:
             detail = f"no MTA-STS policy ({found.detail})" if found.failure else ""
             return TlsPlan(OPPORTUNISTIC, detail=detail, policy_domain=domain, prior=found.failure)
-        base = {"policy_id": policy.id, "policy_domain": domain, "prior": found.failure}
-        if policy.mode is StsMode.ENFORCE:
-            if not policy.allows(host):
-                why = f"MTA-STS policy {policy.id}: {host} matches no mx pattern"
-                note = TlsNote(
-                    policy=STS_ENFORCE,
-                    result="validation-failure",
-                    detail=why,
-                    mx=host,
-                    policy_id=policy.id,
-                )
-                return TlsPlan(STS_ENFORCE, refuse=note, detail=why, **base)  # type: ignore[arg-type]
-            why = f"MTA-STS policy {policy.id}"
-            return TlsPlan(
-                STS_ENFORCE,
-                required=True,
-                check=self._webpki(host),
-                enforce=True,
-                detail=why,
-                **base,  # type: ignore[arg-type]
-            )
-        why = f"MTA-STS policy {policy.id} (testing)"
+        enforce = policy.mode is StsMode.ENFORCE
+        label = STS_ENFORCE if enforce else STS_TESTING
+        why = f"MTA-STS policy {policy.id}" + ("" if enforce else " (testing)")
         if not policy.allows(host):
             why += f": {host} matches no mx pattern"
-        return TlsPlan(STS_TESTING, check=self._webpki(host), detail=why, **base)  # type: ignore[arg-type]
+        plan = TlsPlan(
+            label,
+            check=self._webpki(host),
+            detail=why,
+            policy_id=policy.id,
+            policy_domain=domain,
+            prior=found.failure,
+        )
+        if not enforce:
+            return plan
+        if not policy.allows(host):
+            note = TlsNote(
+                policy=label, result="validation-failure", detail=why, mx=host, policy_id=policy.id
+            )
+            return replace(plan, check=None, refuse=note)
+        return replace(plan, required=True, enforce=True)
 
     async def _dane(self, domain: str, targets: Sequence[MxTarget]) -> dict[str, TlsPlan]:
         """DANE plans for the hosts it applies to (RFC 7672 §2.2.1: only when the MX RRset
-        is secure; §2.2.2: and the host's address RRset; §2.1.1: bogus defers)."""
+        is secure; §2.2.2: and the host's address RRset, whose CNAME-expanded name is asked
+        for TLSA first; §2.1.1: bogus defers)."""
         implicit = all(t.preference is None for t in targets)
         mx_state = await self.dnssec.state(domain, "A" if implicit else "MX")
         if mx_state is not DnssecState.SECURE:
@@ -220,33 +218,27 @@ class PolicyEngine:
             if host in plans:
                 continue
             rdtype = "AAAA" if ":" in target.address else "A"
-            if await self.dnssec.state(host, rdtype) is not DnssecState.SECURE:
+            state, expanded = await self.dnssec.address_state(host, rdtype)
+            if state is not DnssecState.SECURE:
                 continue
-            found = await self.dnssec.tlsa(host)
+            found, base = await self.dnssec.tlsa_of(host, expanded)
             if found.state is DnssecState.BOGUS:
                 why = f"{found.detail}: DNSSEC validation failed"
                 note = TlsNote(policy=DANE, result="dnssec-invalid", detail=why, mx=host)
                 plans[host] = TlsPlan(DANE, refuse=note, detail=why, policy_domain=domain)
             elif found.state is DnssecState.SECURE and found.usable:
                 records = list(found.usable)
-                names = [host, domain]
-
-                def check(
-                    chain: list[x509.Certificate],
-                    records: list = records,  # type: ignore[type-arg]
-                    names: list[str] = names,
-                ) -> Verdict:
-                    return dane_verdict(chain, records, names)
-
+                names = list(dict.fromkeys([host, expanded, domain]))
+                check = partial(dane_verdict, records=records, names=names)
                 plans[host] = TlsPlan(
                     DANE,
                     required=True,
                     check=check,
                     enforce=True,
-                    detail=f"{len(records)} usable TLSA record(s) at _25._tcp.{host}",
+                    detail=f"{len(records)} usable TLSA record(s) at _25._tcp.{base}",
                     policy_domain=domain,
                 )
             elif found.state is DnssecState.SECURE and found.records:
-                why = f"TLSA at _25._tcp.{host} all unusable: encryption without authentication"
+                why = f"TLSA at _25._tcp.{base} all unusable: encryption without authentication"
                 plans[host] = TlsPlan(DANE, required=True, detail=why, policy_domain=domain)
         return plans

@@ -11,6 +11,7 @@ package parses leniently (it keeps any key, checks no value) and brings its own 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -27,7 +28,7 @@ import dns.exception
 import dns.resolver
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from jsqueue.errors import PolicyError, StoreError
+from jsqueue.errors import InvalidName, PolicyError, StoreError
 from jsqueue.store.policies import PolicyCache
 
 __all__ = [
@@ -285,6 +286,7 @@ class MtaSts:
     ) -> None:
         self._recheck_s = recheck_s
         self._memo: dict[str, tuple[float, StsLookup]] = {}
+        self._running: dict[str, asyncio.Future[StsLookup]] = {}
         self._resolver = resolver
         self._cache = cache
         self._port = port
@@ -353,7 +355,7 @@ class MtaSts:
     async def _cached(self, domain: str) -> StsPolicy | None:
         try:
             data = await self._cache.get(domain)
-        except StoreError as e:
+        except (StoreError, InvalidName) as e:
             log.warning("MTA-STS cache of %s unreadable: %s", domain, e)
             return None
         if data is None:
@@ -371,14 +373,26 @@ class MtaSts:
         cached; a fetched ``none`` policy removes the cached one and applies nothing; a
         failed discovery or fetch falls back to the cached policy, if unexpired. Never
         raises: failures come back in :attr:`StsLookup.failure`. Idempotent apart from
-        the cache writes. The result is reused for ``recheck_s`` seconds.
+        the cache writes. The result is reused for ``recheck_s`` seconds, and concurrent
+        lookups of one domain share one (one fetch for a burst of deliveries).
         """
         domain = domain.lower().rstrip(".")
         now = time.monotonic()
         memo = self._memo.get(domain)
         if memo is not None and memo[0] > now:
             return memo[1]
-        found = await self._lookup(domain)
+        running = self._running.get(domain)
+        if running is not None:  # another delivery to the domain is looking it up now
+            return await asyncio.shield(running)
+        task = asyncio.ensure_future(self._lookup(domain))
+        self._running[domain] = task
+        try:
+            found = await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._running.pop(domain, None)
+            else:
+                task.add_done_callback(lambda _: self._running.pop(domain, None))
         if self._recheck_s > 0:
             if len(self._memo) > 10_000:
                 self._memo.clear()
@@ -407,7 +421,7 @@ class MtaSts:
                 await self._cache.delete(domain)
                 return StsLookup(None, detail=f"MTA-STS policy {policy_id} is mode none")
             await self._cache.put(domain, policy.to_json(), policy.max_age_s)
-        except StoreError as e:
+        except (StoreError, InvalidName) as e:
             log.warning("MTA-STS cache of %s not written: %s", domain, e)
         log.info("MTA-STS %s: policy %s, mode %s", domain, policy_id, policy.mode.value)
         return StsLookup(policy)

@@ -1,0 +1,251 @@
+"""HTTP injection through the SMTP front end's ingest path (:mod:`jsqueue.frontend.ingest`),
+with ``Idempotency-Key`` resend protection in the ingest log.
+
+A message injected over HTTP is stored exactly as one received over SMTP: a ``Received:``
+trace field (RFC 5321 §4.4, ``with HTTP``) is prepended, the body streams into the body
+store (or inline, ``smtp.inline_body_max``), the entry and one work item per destination
+domain are created, and only then is the queue id returned, as SMTP's ``250`` (DESIGN.md
+§2.1). A store failure raises :class:`NotQueued` (HTTP 503), never a queue id.
+
+Idempotency (``Idempotency-Key``, scoped to the token's name, ``api.idempotency_window_s``):
+
+1. a *stored* record (written after the message is durable) answers at once with the first
+   queue id, even when that message has been delivered and removed meanwhile;
+2. otherwise the key is claimed in the ingest log (one create-if-absent write), so two
+   requests with the same key race for one claim; the loser waits (up to
+   ``smtp.store_timeout_s``) for the winner's stored record and answers with its id; if
+   the winner failed (no stored record comes), the loser takes the claim over and stores;
+3. a different key never merges: SMTP's content-based resend protection is off here.
+
+Requests with the same key are also serialised within one process (a lock per key). The
+records live in the NATS servers' memory (the ingest log): a full NATS restart forgets
+them, and a retry after that is stored again (a duplicate, never a loss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from jsqueue.config import Settings
+from jsqueue.envelope import utcnow
+from jsqueue.errors import EntryNotFound, StoreUnavailable
+from jsqueue.events import Event, Observer
+from jsqueue.frontend.ingest import Ingest, NotQueued, Submission
+from jsqueue.frontend.received import received_header
+from jsqueue.http.auth import Token
+from jsqueue.http.message import Transaction
+from jsqueue.http.models import InjectResult
+from jsqueue.names import new_queue_id
+from jsqueue.store.base import Stores
+
+log = logging.getLogger("jsqueue.http.inject")
+
+#: The ``Idempotency-Key`` header: 1-255 visible ASCII characters.
+IDEMPOTENCY_KEY_RE = re.compile(r"^[!-~]{1,255}$")
+#: Pause between two looks for a concurrent request's stored record, seconds.
+POLL_S = 0.1
+
+__all__ = ["IDEMPOTENCY_KEY_RE", "Injector", "NotQueued", "Submitter"]
+
+
+class _Relabel:
+    """An :class:`Observer` that names the token as the ``source`` of the events it passes on
+    (the ingest path emits ``received`` as the front end)."""
+
+    def __init__(self, observer: Observer, source: str) -> None:
+        self._observer = observer
+        self._source = source
+
+    def emit(self, event: Event) -> None:
+        self._observer.emit(event.model_copy(update={"source": self._source}))
+
+
+@dataclass(frozen=True)
+class Submitter:
+    """Who injects: the name idempotency keys are scoped to (and the ingest's
+    ``auth_user``), the events' ``source``, and the ``Received:`` field's client and
+    ``with`` keyword.
+
+    Attributes:
+        name: a token's name, or ``local:<user>`` for ``jsqueue inject``.
+        source: the events' ``source`` (``api:<token>``, ``local:<user>@<host>``).
+        client_ip: the client's address (``127.0.0.1`` for local submission).
+        protocol: ``HTTP`` (the API), ``local`` (``jsqueue inject``, as Exim writes it).
+    """
+
+    name: str
+    source: str
+    client_ip: str
+    protocol: str = "HTTP"
+
+    @classmethod
+    def of(cls, token: Token, client_ip: str) -> Submitter:
+        """The submitter of an API request made with ``token`` from ``client_ip``."""
+        return cls(token.name, token.source, client_ip)
+
+
+def _keys(who: Submitter, idempotency_key: str) -> tuple[str, str]:
+    """(claim key, stored key) in the ingest log: SHA-256 hex of the submitter and key."""
+    base = b"\0".join([b"jsqueue-http", who.name.encode(), idempotency_key.encode()])
+    return (
+        hashlib.sha256(base + b"\0claim").hexdigest(),
+        hashlib.sha256(base + b"\0stored").hexdigest(),
+    )
+
+
+class Injector:
+    """Stores injected messages (see the module docstring). One per API.
+
+    Args:
+        settings: all settings (``smtp`` limits and timeouts, ``api`` window).
+        stores: the queue.
+        observer: receives the ``received`` events (source ``api:<token>``).
+    """
+
+    def __init__(self, settings: Settings, stores: Stores, observer: Observer) -> None:
+        self._settings = settings
+        # The same ingest path as the front end, without its content-based resend check
+        # (a different Idempotency-Key never merges).
+        self._smtp = settings.smtp.model_copy(update={"dedupe_window_s": 0.0})
+        self._stores = stores
+        self._observer = observer
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def _serialised(self, key: str) -> AsyncIterator[None]:
+        """Hold the in-process lock of ``key`` (dropped when nobody else waits for it)."""
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    async def inject(
+        self,
+        tx: Transaction,
+        who: Submitter,
+        *,
+        idempotency_key: str | None = None,
+    ) -> InjectResult:
+        """Store ``tx`` durably and return its queue id.
+
+        Args:
+            tx: the checked transaction.
+            who: the caller (the ingest's ``auth_user``, the events' source, the
+                ``Received:`` field's client).
+            idempotency_key: the ``Idempotency-Key`` header, or None.
+
+        Returns:
+            the queue id; ``duplicate`` when an earlier request with the same key stored it.
+
+        Raises:
+            NotQueued: a store failed or timed out: nothing is stored (HTTP 503).
+            StoreUnavailable: the ingest log could not be read or written (HTTP 503).
+        """
+        log_ = self._stores.ingest
+        if idempotency_key is None or log_ is None:
+            return await self._store(tx, who, new_queue_id())
+        claim, stored = _keys(who, idempotency_key)
+        window = self._settings.api.idempotency_window_s
+        async with self._serialised(claim):
+            earlier = await log_.lookup(stored, window)
+            if earlier is not None:
+                return self._duplicate(earlier, tx)
+            queue_id = new_queue_id()
+            other = await log_.claim(claim, queue_id, window)
+            if other is not None:
+                found = await self._wait_stored(stored, other, window)
+                if found is not None:
+                    return self._duplicate(found, tx)
+                log.info("idempotency key of %s: taking over from %s", who.name, other)
+                await log_.record(claim, queue_id)
+            try:
+                result = await self._store(tx, who, queue_id)
+            except NotQueued:
+                try:
+                    await log_.forget(claim, queue_id)
+                except (StoreUnavailable, OSError) as e:
+                    log.warning("%s: idempotency claim kept (%s)", queue_id, e)
+                raise
+            try:
+                await log_.record(stored, queue_id)
+            except StoreUnavailable as e:  # stored; only the resend protection is weaker
+                log.warning("%s: queued, but its idempotency record failed (%s)", queue_id, e)
+            return result
+
+    async def _wait_stored(self, stored: str, other: str, window: float) -> str | None:
+        """The queue id a concurrent request with the same key stored: its stored record,
+        or its entry ``other`` once it exists (the entry is written last), waited for up to
+        ``smtp.store_timeout_s`` (its ingest's bound). None: it did not store.
+
+        Raises:
+            StoreUnavailable: the ingest log or the entry could not be read.
+        """
+        assert self._stores.ingest is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.smtp.store_timeout_s
+        while True:
+            found = await self._stores.ingest.lookup(stored, window)
+            if found is not None:
+                return found
+            with contextlib.suppress(EntryNotFound):
+                await self._stores.entries.get(other)
+                return other
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(POLL_S)
+
+    def _duplicate(self, queue_id: str, tx: Transaction) -> InjectResult:
+        log.info("%s: inject retried with the same Idempotency-Key", queue_id)
+        return InjectResult(
+            queue_id=queue_id, recipients=len(tx.recipients), size=len(tx.data), duplicate=True
+        )
+
+    async def _store(self, tx: Transaction, who: Submitter, queue_id: str) -> InjectResult:
+        """The ingest path of the SMTP front end: trace field, body, entry, work items.
+
+        Raises:
+            NotQueued: a store failed; nothing of the message is kept.
+        """
+        ingest = Ingest(self._smtp, self._stores, _Relabel(self._observer, who.source))
+        client_ip = who.client_ip
+        literal = f"[IPv6:{client_ip}]" if ":" in client_ip else f"[{client_ip}]"
+        received = received_header(
+            helo=literal,
+            client_ip=client_ip,
+            hostname=self._smtp.hostname,
+            protocol=who.protocol,
+            queue_id=queue_id,
+            recipient=tx.recipients[0].address if len(tx.recipients) == 1 else None,
+            tls=None,
+            when=utcnow(),
+        )
+        upload = ingest.upload(queue_id)
+        await upload.write(received)
+        await upload.write(tx.data)
+        mail = Submission(
+            reverse_path=tx.reverse_path,
+            recipients=tx.recipients,
+            content_sha256=hashlib.sha256(tx.data).digest(),
+            ret=tx.ret,
+            envid=tx.envid,
+            smtputf8=tx.smtputf8,
+            helo=None,
+            client_address=client_ip,
+            auth_user=who.name,
+            eight_bit=not (tx.data.isascii() and received.isascii()),
+        )
+        stored = await ingest.commit(upload, mail)
+        return InjectResult(queue_id=stored, recipients=len(tx.recipients), size=len(tx.data))

@@ -1,0 +1,136 @@
+"""The HTTP API over real HTTP on loopback against a real nats-server: authentication and
+roles, the queue routes through the admin operations, injection through the ingest path."""
+
+from __future__ import annotations
+
+import base64
+
+from jsqueue.envelope import EntryState
+from jsqueue.events import EventKind, tail
+from support.api import ApiEnv
+from support.nats import read_body
+
+RAW = (
+    b"From: Alice <alice@example.org>\r\n"
+    b"To: bob@example.net\r\n"
+    b"Subject: over HTTP\r\n"
+    b"Message-ID: <1@example.org>\r\n"
+    b"\r\n"
+    b"Hello Bob.\r\n"
+    b".leading dot stays\r\n"
+)
+
+
+def raw_body(**extra: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "reverse_path": "alice@example.org",
+        "recipients": [{"address": "bob@example.net", "notify": ["FAILURE"]}],
+        "raw_base64": base64.b64encode(RAW).decode(),
+    }
+    body.update(extra)
+    return body
+
+
+async def test_no_token_is_401_and_health_stays_anonymous(api_env: ApiEnv) -> None:
+    status, body = await api_env.call("GET", "/api/v1/queue", role=None)
+    assert status == 401 and body["error"] == "unauthorized"
+    status, _ = await api_env.call(
+        "GET", "/api/v1/queue", role=None, headers={"Authorization": "Bearer jsq_wrong"}
+    )
+    assert status == 401
+    status, _ = await api_env.call("GET", "/api/openapi.json", role=None)
+    assert status == 401
+    for path in ("/healthz", "/metrics"):
+        status, _ = await api_env.call("GET", path, role=None)
+        assert status == 200
+
+
+async def test_roles(api_env: ApiEnv) -> None:
+    assert (await api_env.call("GET", "/api/v1/queue", role="read"))[0] == 200
+    assert (await api_env.call("GET", "/api/v1/queue", role="admin"))[0] == 200  # implies read
+    assert (await api_env.call("GET", "/api/v1/queue", role="inject"))[0] == 403
+    status, body = await api_env.call(
+        "POST", "/api/v1/actions/hold", role="read", json={"all": True}
+    )
+    assert status == 403 and "lacks role admin" in body["detail"]
+    assert (await api_env.call("POST", "/api/v1/inject", role="admin", json=raw_body()))[0] == 403
+    assert (await api_env.call("GET", "/api/v1/whoami", role="inject"))[1] == {
+        "name": "t-inject",
+        "role": "inject",
+    }
+
+
+async def test_inject_stores_as_smtp_does_and_actions_go_through_admin(api_env: ApiEnv) -> None:
+    status, body = await api_env.call("POST", "/api/v1/inject", role="inject", json=raw_body())
+    assert status == 202, body
+    queue_id = body["queue_id"]
+    stored = await read_body(api_env.stores, queue_id)
+    received, found, _ = stored.partition(
+        b"\r\n\tby relay.jsqueue.example.test (jsqueue) with HTTP"
+    )
+    assert found
+    assert received.startswith(b"Received: from [127.0.0.1] ([127.0.0.1])")
+    assert stored.endswith(RAW)
+    status, detail = await api_env.call("GET", f"/api/v1/queue/{queue_id}", role="read")
+    assert status == 200
+    assert detail["reverse_path"] == "alice@example.org"
+    assert detail["recipients"][0]["address"] == "bob@example.net"
+
+    status, page = await api_env.call("GET", "/api/v1/queue?domain=example.net", role="read")
+    assert status == 200 and [e["id"] for e in page["entries"]] == [queue_id]
+    status, page = await api_env.call("GET", "/api/v1/queue?domain=example.com", role="read")
+    assert status == 200 and page["entries"] == []
+
+    status, result = await api_env.call("POST", f"/api/v1/queue/{queue_id}/hold")
+    assert status == 200 and result["outcome"] == "done" and result["state"] == "held"
+    entry = (await api_env.stores.entries.get(queue_id)).entry
+    assert entry.state is EntryState.HELD
+    status, bulk = await api_env.call(
+        "POST", "/api/v1/actions/release", json={"filter": {"states": ["held"]}}
+    )
+    assert status == 200 and bulk["counts"] == {"done": 1}
+    status, stats = await api_env.call("GET", "/api/v1/stats", role="read")
+    assert status == 200 and stats["entries"] == 1
+
+    events = tail(
+        api_env.settings.nats,
+        list(api_env.settings.nats.urls),
+        from_start=True,
+        until_end=True,
+        queue_id=queue_id,
+    )
+    seen = [(e.kind, e.source) async for e in events]
+    assert (EventKind.RECEIVED, "api:t-inject") in seen
+    assert (EventKind.HELD, "api:t-admin") in seen
+    assert (EventKind.RELEASED, "api:t-admin") in seen
+
+    status, result = await api_env.call("POST", f"/api/v1/queue/{queue_id}/delete")
+    assert status == 200 and result["outcome"] == "done"
+    status, _ = await api_env.call("GET", f"/api/v1/queue/{queue_id}", role="read")
+    assert status == 404
+    status, _ = await api_env.call("POST", f"/api/v1/queue/{queue_id}/delete")
+    assert status == 404
+
+
+async def test_idempotency_key(api_env: ApiEnv) -> None:
+    key = {"Idempotency-Key": "order-4711"}
+    first = await api_env.call(
+        "POST", "/api/v1/inject", role="inject", json=raw_body(), headers=key
+    )
+    again = await api_env.call(
+        "POST", "/api/v1/inject", role="inject", json=raw_body(), headers=key
+    )
+    other = await api_env.call(
+        "POST", "/api/v1/inject", role="inject", json=raw_body(), headers={"Idempotency-Key": "x"}
+    )
+    assert first[0] == again[0] == other[0] == 202
+    assert again[1]["queue_id"] == first[1]["queue_id"] and again[1]["duplicate"] is True
+    assert other[1]["queue_id"] != first[1]["queue_id"]
+    status, page = await api_env.call("GET", "/api/v1/queue", role="read")
+    assert status == 200 and len(page["entries"]) == 2
+
+
+async def test_openapi_document(api_env: ApiEnv) -> None:
+    status, doc = await api_env.call("GET", "/api/openapi.json", role="inject")
+    assert status == 200 and doc["openapi"] == "3.1.0"
+    assert "/api/v1/inject" in doc["paths"] and "InjectBody" in doc["components"]["schemas"]
