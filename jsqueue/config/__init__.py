@@ -9,6 +9,7 @@ comma-separated value (``JSQUEUE_SMTP__RELAY_NETWORKS=10.0.0.0/8,192.0.2.0/24``)
 TOML file does: a misspelt variable is never silently ignored.
 """
 
+from jsqueue.config.destinations import DestinationSettings, Rate, parse_rate
 from jsqueue.config.loading import MASK, env_names, load_settings, toml_text
 from jsqueue.config.reference import settings_reference
 from jsqueue.config.sections import (
@@ -31,10 +32,12 @@ __all__ = [
     "CONFIG_ENV",
     "MASK",
     "BareLinePolicy",
+    "DestinationSettings",
     "DsnSettings",
     "HttpSettings",
     "LogSettings",
     "NatsSettings",
+    "Rate",
     "ReconcilerSettings",
     "RetrySettings",
     "Settings",
@@ -44,6 +47,7 @@ __all__ = [
     "WorkerSettings",
     "env_names",
     "load_settings",
+    "parse_rate",
     "setting_paths",
     "settings_reference",
     "toml_text",

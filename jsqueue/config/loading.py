@@ -1,7 +1,6 @@
 """Loading settings (:func:`load_settings`), the check for unknown ``JSQUEUE_`` variables,
 and TOML output of the effective settings."""
 
-
 from __future__ import annotations
 
 import difflib
@@ -185,5 +184,3 @@ def _env_error(e: SettingsError) -> str:
 
 
 # --------------------------------------------------------------------------- reference
-
-

@@ -1,6 +1,5 @@
 """The settings reference (``docs/configuration.md``), generated from the models."""
 
-
 from __future__ import annotations
 
 import json

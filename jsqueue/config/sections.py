@@ -1,6 +1,5 @@
 """The settings sections (one pydantic model per TOML table), their enums and validators."""
 
-
 from __future__ import annotations
 
 import re
@@ -308,5 +307,3 @@ class LogSettings(_Section):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     json_format: bool = Field(False, description="one JSON object per line instead of text")
-
-

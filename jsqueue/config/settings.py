@@ -1,7 +1,6 @@
 """The whole settings model (:class:`Settings`: every section, and its sources: init,
 environment, TOML file) and the dotted paths of its settings."""
 
-
 from __future__ import annotations
 
 import os
@@ -21,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from jsqueue.config.destinations import DestinationSettings
 from jsqueue.config.sections import (
     CONFIG_ENV,
     DsnSettings,
@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    destinations: DestinationSettings = Field(default_factory=DestinationSettings)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
@@ -87,7 +88,6 @@ class Settings(BaseSettings):
         if toml_path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
-
 
 
 def model_of(info: FieldInfo) -> type[BaseModel] | None:

@@ -143,11 +143,15 @@ class Attempt:
         uncertain: addresses whose 4yz reply follows a final ``.`` that may have reached
             the next hop (see :attr:`DeliveryResult.uncertain`): logged ``uncertain=yes``,
             their events carry ``uncertain: true``.
+        reached: the MX host whose server answered as far as MAIL (the session was up),
+            None when none did (no address answered, TLS or the greeting failed, or no
+            connection was tried): the destination limits count connection failures by it.
     """
 
     replies: Mapping[str, Reply]
     host: str | None = None
     uncertain: frozenset[str] = frozenset()
+    reached: str | None = None
 
 
 class Deliverer(Protocol):

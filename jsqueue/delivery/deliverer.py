@@ -4,7 +4,7 @@ attempt per destination domain, with the outbound sessions kept between deliveri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from jsqueue.config import WorkerSettings
@@ -20,20 +20,46 @@ __all__ = ["SmtpDeliverer"]
 class SmtpDeliverer:
     """Delivers over SMTP: resolves the domain, tries its targets (RFC 5321 §5.1).
 
+    Sessions kept idle between deliveries are cached per *site* (``site_of``), so that
+    :meth:`idle_sessions` can tell the destination limits how many connections to a site
+    stay open after their deliveries ended (each holds a session slot,
+    :mod:`jsqueue.destinations`).
+
     Args:
         resolver: MX (or smarthost) resolution.
         settings: the ``worker`` settings section (timeouts, TLS policy, port, connection
             cache lifetimes in seconds).
+        site_of: destination domain -> site name; every domain is its own site when None.
     """
 
-    def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
+    def __init__(
+        self,
+        resolver: Resolver,
+        settings: WorkerSettings,
+        site_of: Callable[[str], str] | None = None,
+    ) -> None:
         self.resolver = resolver
         self.settings = settings
-        self.connections = ConnectionCache(
-            idle_s=settings.connection_cache_s,
-            max_age_s=settings.connection_reuse_s,
-            max_idle=settings.concurrency,
-        )
+        self.site_of = site_of or (lambda domain: domain)
+        self._caches: dict[str, ConnectionCache] = {}
+
+    def _cache(self, site: str) -> ConnectionCache:
+        cache = self._caches.get(site)
+        if cache is None:
+            if len(self._caches) > 4 * self.settings.concurrency:  # forget unused sites
+                for name in [n for n, c in self._caches.items() if not c.idle and not c.closing]:
+                    del self._caches[name]
+            cache = self._caches[site] = ConnectionCache(
+                idle_s=self.settings.connection_cache_s,
+                max_age_s=self.settings.connection_reuse_s,
+                max_idle=self.settings.concurrency,
+            )
+        return cache
+
+    def idle_sessions(self, site: str) -> tuple[int, int]:
+        """(sessions kept idle for reuse, idle sessions being closed with QUIT) of ``site``."""
+        cache = self._caches.get(site)
+        return (0, 0) if cache is None else (cache.idle, cache.closing)
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
@@ -48,11 +74,11 @@ class SmtpDeliverer:
         """
         # The worker passes the recipients it claimed: the same as the entry's open ones.
         envelope = replace(DeliveryEnvelope.from_entry(entry, domain), recipients=tuple(recipients))
-        result = await deliver_domain(
-            self.resolver, envelope, body, self.settings, self.connections
-        )
-        return Attempt(result.replies, result.tried_host, result.uncertain)
+        cache = self._cache(self.site_of(domain))
+        result = await deliver_domain(self.resolver, envelope, body, self.settings, cache)
+        return Attempt(result.replies, result.tried_host, result.uncertain, result.mx_host)
 
     async def close(self) -> None:
         """QUIT the cached sessions. Idempotent."""
-        await self.connections.close()
+        for cache in list(self._caches.values()):
+            await cache.close()
