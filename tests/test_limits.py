@@ -7,6 +7,7 @@ in ``tests/test_destinations.py``)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -58,7 +59,7 @@ def test_gcra_allows_rate_per_interval_and_no_more() -> None:
             tat = step.tat_s
             allowed.append(now)
     assert 100 <= len(allowed) <= 101
-    gaps = [b - a for a, b in zip(allowed, allowed[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(allowed)]
     assert min(gaps) >= 0.1 - 1e-6
 
 
