@@ -51,7 +51,12 @@ __all__ = ["Admission", "Destinations", "Gate", "SiteSnapshot", "put_back", "sit
 log = logging.getLogger("jsqueue.destinations")
 
 #: Seconds a worker remembers that every slot of a site was taken before it scans again.
-FULL_MEMO_S = 0.25
+FULL_MEMO_S = 0.5
+#: Refusals of a full site in a row after which a worker's put-back delay grows by another
+#: ``full_delay_s`` (up to :data:`FULL_BACKOFF_MAX` times it): a worker that holds no slot of
+#: a busy site touches its items less and less often, and the one holding the slots gets them.
+FULL_STREAK_STEP = 10
+FULL_BACKOFF_MAX = 10
 #: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
 SITE_NAME_TTL_S = 300.0
 #: Compare-and-set tries on a site state or rate bucket before giving up for this time.
@@ -123,6 +128,7 @@ class _Site:
     probe_rev: int | None = None
     used_at: float = 0.0
     deferred: dict[str, int] = field(default_factory=dict)
+    full_streak: int = 0
 
 
 class Destinations:
@@ -242,7 +248,7 @@ class Destinations:
         allowed = limits.allowed_sessions(state, limit, now, s.throttle_grow_s)
         if not await self._unit(site, allowed):
             await self._drop_probe(site, probe)
-            return self._defer(site, "full", self._jitter(s.full_delay_s))
+            return self._defer(site, "full", self._full_delay(site))
         idle, _ = self.idle_sessions(site.name)
         checks: list[tuple[str, Rate | None]] = [("msg", s.message_rate_of(site.name))]
         if idle == 0:  # this delivery opens a session
@@ -254,6 +260,27 @@ class Destinations:
                 await self._drop_probe(site, probe)
                 return self._defer(site, "rate", wait + self.rng.uniform(0, max(1.0, wait)))
         return Admission(site.name, True, probe=probe)
+
+    def _full_delay(self, site: _Site) -> float:
+        site.full_streak += 1
+        factor = min(FULL_BACKOFF_MAX, 1 + site.full_streak // FULL_STREAK_STEP)
+        return self._jitter(self.settings.full_delay_s * factor, spread=1.0)
+
+    def early(self, domain: str) -> Admission | None:
+        """A refusal known without a round trip (no entry read, no bucket access): the
+        site of ``domain`` was found full moments ago and no slot of this worker is free.
+        None when :meth:`admit` must decide. Synchronous and cheap: called for every item.
+        """
+        site = self._sites.get(self.site_known(domain))
+        if site is None or asyncio.get_running_loop().time() >= site.full_until:
+            return None
+        s = self.settings
+        allowed = limits.allowed_sessions(
+            site.state, s.sessions_of(site.name), self.clock(), s.throttle_grow_s
+        )
+        if self._has_unit(site, allowed) or site.waiters < max(1, len(site.slots)):
+            return None
+        return self._defer(site, "full", self._full_delay(site))
 
     def _defer(
         self, site: _Site, reason: str, delay_s: float, reply: Reply | None = None
@@ -270,6 +297,7 @@ class Destinations:
         while True:
             if self._has_unit(site, allowed) or await self._take_slot(site, allowed):
                 site.active += 1
+                site.full_streak = 0
                 return True
             remaining = deadline - loop.time()
             if remaining <= 0 or site.waiters >= max(1, len(site.slots)):

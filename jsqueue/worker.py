@@ -310,6 +310,9 @@ class Worker:
         a lost compare-and-set (:data:`~jsqueue.store.cas.CAS_TRIES` reads at most, then
         the item is tried again in a second); then deliver."""
         item = due.item
+        if self.sites is not None and (early := self.sites.early(item.domain)) is not None:
+            await due.retry(early.delay_s)  # its site is full: not even the entry is read
+            return
         async for read in cas.reads(self.stores.entries, item.queue_id, strict=False):
             v = None if isinstance(read, cas.Gone) else read
             deleted = isinstance(read, cas.Gone) and read.deleted
