@@ -55,8 +55,8 @@ FULL_MEMO_S = 0.5
 #: Refusals of a full site in a row after which a worker's put-back delay grows by another
 #: ``full_delay_s`` (up to :data:`FULL_BACKOFF_MAX` times it): a worker that holds no slot of
 #: a busy site touches its items less and less often, and the one holding the slots gets them.
-FULL_STREAK_STEP = 10
-FULL_BACKOFF_MAX = 10
+FULL_STREAK_STEP = 20
+FULL_BACKOFF_MAX = 4
 #: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
 SITE_NAME_TTL_S = 300.0
 #: Compare-and-set tries on a site state or rate bucket before giving up for this time.
@@ -244,6 +244,11 @@ class Destinations:
             if not await self._take_probe(site):
                 return self._defer(site, "probing", self._jitter(min(PROBE_WAIT_S, s.cool_off_s)))
             probe = True
+            # the copy may predate a probe that just failed elsewhere: read it again
+            state = await self._state(site, fresh=True)
+            if limits.status(state, self.clock(), s.dead_after) is SiteStatus.DOWN:
+                await self._drop_probe(site, probe)
+                return await self._admit(site)
         limit = s.sessions_of(site.name)
         allowed = limits.allowed_sessions(state, limit, now, s.throttle_grow_s)
         if not await self._unit(site, allowed):
@@ -429,8 +434,10 @@ class Destinations:
                     revision=current.revision,
                     ttl_s=self.settings.probe_ttl_s,
                 )
-        site.probe_rev = rev
-        return rev is not None
+        if rev is None:
+            return False
+        site.probe_rev = rev  # (a task that lost leaves the winner's revision alone)
+        return True
 
     async def _drop_probe(self, site: _Site, probe: bool) -> None:
         if probe and site.probe_rev is not None:
@@ -540,7 +547,9 @@ class Destinations:
         limit first); wake a waiter when one is left over."""
         needed = self._needed(site) + site.waiters
         for n in sorted(site.slots)[needed:]:  # the lowest numbers are kept
-            rev = site.slots.pop(n)
+            rev = site.slots.pop(n, None)
+            if rev is None:  # another task of ours released it meanwhile
+                continue
             with contextlib.suppress(StoreUnavailable):
                 await self.store.delete(slot_key(site.name, n), revision=rev)
         if site.waiters:
