@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import statistics
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli import jsqueue, queue_env
 
 from jsqueue.config import DestinationSettings, Settings
 from jsqueue.destinations_admin import list_destinations, show_destination
@@ -59,13 +61,13 @@ class PeakMx(CountingMx):
         sock = writer.get_extra_info("socket")
         if sock is None or writer.is_closing():
             return False
-        with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
-            try:
+        try:
+            with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
                 return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-            except BlockingIOError:
-                return True
-            except OSError:
-                return False
+        except BlockingIOError:
+            return True  # connected, nothing to read
+        except OSError:
+            return False  # closed (a bad descriptor, a reset)
 
     @property
     def open(self) -> int:
@@ -214,6 +216,15 @@ async def test_killed_worker_slots_free_within_ttl(
             await eventually(lambda: mx.held == limit, timeout_s=30, what="4 sessions held")
             view = await show_destination(store, q.settings.destinations, site)
             assert view.sessions == limit and sum(view.holders.values()) == limit
+            # the same through the command line
+            env = {**queue_env(nats_server, names), "JSQUEUE_DESTINATIONS__SESSIONS": str(limit)}
+            shown = await jsqueue("dest", "show", site, env=env)
+            assert shown.code == 0, shown.err
+            assert f"sessions:         {limit} open of {limit}" in shown.out
+            listed = await jsqueue("dest", "ls", "--json", env=env)
+            assert listed.code == 0, listed.err
+            rows = [json.loads(line) for line in listed.out.splitlines()]
+            assert [(r["site"], r["sessions"], r["status"]) for r in rows] == [(site, limit, "up")]
             victim = max(view.holders, key=lambda owner: view.holders[owner])
             index = int(victim[1:])
             await q.workers[index].kill()
