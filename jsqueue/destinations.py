@@ -40,13 +40,13 @@ from jsqueue.delivery.base import Attempt
 from jsqueue.envelope import utcnow
 from jsqueue.errors import DeliveryError, EntryTooLarge, RevisionConflict, StoreUnavailable
 from jsqueue.events import NULL_OBSERVER, Event, EventKind, Observer
-from jsqueue.limits import SiteState, SiteStatus
+from jsqueue.limits import SiteSnapshot, SiteState, SiteStatus
 from jsqueue.names import probe_key, rate_key, site_key, slot_key
 from jsqueue.replies import R451_SITE_DOWN, Reply
 from jsqueue.store import layout
 from jsqueue.store.base import DestinationStore, Due, Stores, Versioned
 
-__all__ = ["Admission", "Destinations", "Gate", "SiteSnapshot", "put_back", "site_down_reply"]
+__all__ = ["Admission", "Destinations", "Gate", "put_back", "site_down_reply"]
 
 log = logging.getLogger("jsqueue.destinations")
 
@@ -95,20 +95,6 @@ class Admission:
     reason: str = ""
     reply: Reply | None = None
     probe: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SiteSnapshot:
-    """What one worker knows of a site right now (metrics; :mod:`jsqueue.destinations_admin`
-    reads the cluster-wide truth from the bucket instead)."""
-
-    site: str
-    slots: int
-    active: int
-    limit: int
-    allowed: int
-    status: SiteStatus
-    deferred: dict[str, int]
 
 
 @dataclass

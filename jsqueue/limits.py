@@ -17,6 +17,7 @@ from jsqueue.replies import Reply
 
 __all__ = [
     "GcraStep",
+    "SiteSnapshot",
     "SiteState",
     "SiteStatus",
     "after_failure",
@@ -247,6 +248,30 @@ def throttle_worn_off(state: SiteState, limit: int, now_s: float, grow_s: float)
     if state.throttle_limit is None:
         return False
     return allowed_sessions(replace(state, failures=0), limit, now_s, grow_s) >= limit
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSnapshot:
+    """What one worker knows of a site right now, for its metrics (the cluster-wide view is
+    :mod:`jsqueue.destinations_admin`'s, read from the bucket).
+
+    Attributes:
+        site: the site.
+        slots: session slots this worker holds.
+        active: deliveries under way.
+        limit: the configured session limit.
+        allowed: sessions allowed now.
+        status: up, down or probe.
+        deferred: items put back since start, by reason (full, rate, down, probing).
+    """
+
+    site: str
+    slots: int
+    active: int
+    limit: int
+    allowed: int
+    status: SiteStatus
+    deferred: dict[str, int]
 
 
 # --------------------------------------------------------------------------- replies

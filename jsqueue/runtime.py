@@ -17,6 +17,7 @@ from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
+from jsqueue.destination_metrics import DestinationCollector
 from jsqueue.destinations import Destinations
 from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.errors import JsqueueError
@@ -194,6 +195,9 @@ async def run_services(
             tel.health.set("smtp", True)
         if worker:
             w = build_worker(settings, stores, observer=tel.observer)
+            if w.sites is not None:
+                top = settings.destinations.metrics_sites
+                tel.metrics.registry.register(DestinationCollector(w.sites.snapshot, top))
             owner = w.owner
             tasks.append(asyncio.create_task(w.run(stop)))
             tel.health.set("worker", True)

@@ -15,7 +15,7 @@ import pytest
 from jsqueue import limits
 from jsqueue.config import DestinationSettings, Settings, parse_rate
 from jsqueue.delivery.base import Attempt
-from jsqueue.destinations import Destinations, site_down_reply
+from jsqueue.destinations import FULL_MEMO_S, Destinations, site_down_reply
 from jsqueue.events import Event, EventKind
 from jsqueue.limits import SiteState, SiteStatus
 from jsqueue.names import key_token, site_of_key, slot_key, token_text
@@ -217,7 +217,7 @@ async def test_limit_holds_across_two_workers_sharing_the_store() -> None:
     assert not refused.go and refused.reason == "full" and refused.delay_s > 0
     assert len(await store.keys("slot.")) == 3
     await a.done(got[0], OK)  # no idle session kept: the slot goes back
-    await asyncio.sleep(0.3)  # b remembers "full" for a quarter of a second (no scan)
+    await asyncio.sleep(FULL_MEMO_S + 0.1)  # b remembers "full" that long (no scan)
     assert (await b.admit("x.test")).go
 
 
@@ -278,3 +278,28 @@ async def test_message_rate_is_shared() -> None:
     assert not second.go and second.reason == "rate"
     clock.now += 0.5
     assert (await b.admit("x.test")).go
+
+
+def test_metrics_name_the_top_sites_and_sum_the_rest() -> None:
+    """``jsqueue_destination_sessions{site}`` and friends with a bounded label set."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jsqueue.destination_metrics import DestinationCollector
+    from jsqueue.limits import SiteSnapshot
+
+    snaps = [
+        SiteSnapshot("a.test", 5, 5, 20, 20, SiteStatus.UP, {"full": 7}),
+        SiteSnapshot("b.test", 2, 1, 20, 10, SiteStatus.UP, {}),
+        SiteSnapshot("c.test", 0, 0, 20, 1, SiteStatus.DOWN, {"down": 30}),
+        SiteSnapshot("d.test", 1, 1, 20, 20, SiteStatus.UP, {"down": 2}),
+    ]
+    registry = CollectorRegistry()
+    registry.register(DestinationCollector(lambda: snaps, top=2))
+    text = generate_latest(registry).decode()
+    assert 'jsqueue_destination_sessions{site="a.test"} 5.0' in text
+    assert 'jsqueue_destination_sessions{site="b.test"} 2.0' in text
+    assert 'jsqueue_destination_sessions{site="other"} 1.0' in text
+    assert 'jsqueue_destination_down{site="other"} 1.0' in text
+    assert 'jsqueue_destination_deferrals_total{reason="down",site="other"} 32.0' in text
+    assert 'jsqueue_destination_allowed_sessions{site="b.test"} 10.0' in text
+    assert "c.test" not in text and "d.test" not in text
