@@ -20,6 +20,7 @@ from jsqueue.events import Event, EventKind
 from jsqueue.limits import SiteState, SiteStatus
 from jsqueue.names import key_token, site_of_key, slot_key, token_text
 from jsqueue.replies import R451_CONNECT_FAILED, Reply
+from jsqueue.store.base import Keyed, Stores
 from jsqueue.store.memory import MemoryDestinations
 
 # --------------------------------------------------------------------------- sites
@@ -303,3 +304,36 @@ def test_metrics_name_the_top_sites_and_sum_the_rest() -> None:
     assert 'jsqueue_destination_deferrals_total{reason="down",site="other"} 32.0' in text
     assert 'jsqueue_destination_allowed_sessions{site="b.test"} 10.0' in text
     assert "c.test" not in text and "d.test" not in text
+
+
+async def test_destination_store_contract(stores: Stores) -> None:
+    """Both backends of the destinations bucket: create-if-absent, compare-and-set, delete
+    marker then create on it, TTL expiry, listing by prefix (real nats-server for
+    JetStream)."""
+    d = stores.destinations
+    assert d is not None
+    assert await d.get("slot.x.0") == Keyed(None, 0)
+    rev = await d.put("slot.x.0", {"owner": "a"}, revision=0, ttl_s=60)
+    assert rev is not None
+    assert await d.put("slot.x.0", {"owner": "b"}, revision=0, ttl_s=60) is None  # taken
+    assert (await d.get("slot.x.0")).value == {"owner": "a"}
+    renewed = await d.put("slot.x.0", {"owner": "a"}, revision=rev, ttl_s=60)
+    assert renewed is not None and renewed != rev
+    assert await d.put("slot.x.0", {"owner": "c"}, revision=rev, ttl_s=60) is None  # stale
+    assert not await d.delete("slot.x.0", revision=rev)
+    assert await d.delete("slot.x.0", revision=renewed)
+    marker = await d.get("slot.x.0")
+    assert marker.value is None
+    again = await d.put("slot.x.0", {"owner": "b"}, revision=marker.revision, ttl_s=60)
+    assert again is not None
+    assert await d.put("slot.y.0", {"owner": "z"}, revision=None, ttl_s=1) is not None
+    assert await d.keys("slot.") == ["slot.x.0", "slot.y.0"]
+
+    async def expired() -> bool:
+        return (await d.get("slot.y.0")).value is None
+
+    deadline = asyncio.get_running_loop().time() + 5
+    while not await expired():
+        assert asyncio.get_running_loop().time() < deadline, "TTL not honoured"
+        await asyncio.sleep(0.1)
+    assert await d.keys("slot.") == ["slot.x.0"]
