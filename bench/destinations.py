@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -103,6 +104,15 @@ async def latencies(inst: Install, sink: CountingMx, first: int, count: int) -> 
     return out
 
 
+async def poll(check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+    """Wait until ``check`` holds, polling every 0.2 s, at most ``timeout_s`` seconds."""
+    for _ in range(int(timeout_s / 0.2)):
+        if await check():
+            return
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"not within {timeout_s} s: {check.__name__}")
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -129,13 +139,16 @@ async def main(args: argparse.Namespace) -> None:
             await backlog.worker.start("running")
             store = backlog.stores.destinations
             assert store is not None
-            while (
-                await show_destination(store, backlog.settings.destinations, DEAD)
-            ).status != "down":
-                await asyncio.sleep(0.2)
-            # parked: every backlog item deferred once (its log line) before measuring
-            while backlog.worker.log().count("outcome=deferred") < args.backlog:
-                await asyncio.sleep(0.5)
+            dest = backlog.settings.destinations
+
+            async def down() -> bool:
+                return (await show_destination(store, dest, DEAD)).status == "down"
+
+            async def parked() -> bool:  # every backlog item deferred once (its log line)
+                return backlog.worker.log().count("outcome=deferred") >= args.backlog
+
+            await poll(down, 120)
+            await poll(parked, 1200)
             print(f"backlog parked after {time.monotonic() - began:.0f} s")
             figures: dict[str, list[tuple[float, float]]] = {"clean": [], "backlog": []}
             n = 0
@@ -157,7 +170,8 @@ async def main(args: argparse.Namespace) -> None:
             print(f"dead-site connections while measuring: {trap.connections}")
             for k, (p50, p99) in med.items():
                 print(
-                    f"median of {args.rounds} rounds, {k:<8}: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
+                    f"median of {args.rounds} rounds, {k:<8}: "
+                    f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
                 )
             print(
                 f"backlog / clean: p50 {med['backlog'][0] / med['clean'][0]:.2f}, "
