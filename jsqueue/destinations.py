@@ -245,7 +245,11 @@ class Destinations:
         if idle == 0:  # this delivery opens a session
             checks.insert(0, ("conn", s.connection_rate_of(site.name)))
         for kind, rate in checks:
-            wait = 0.0 if rate is None else await self._rate(site, kind, rate)
+            try:
+                wait = 0.0 if rate is None else await self._rate(site, kind, rate)
+            except BaseException:  # the unit goes back (the caller may admit unlimited)
+                self._free(site)
+                raise
             if wait > 0:
                 self._free(site)
                 await self._drop_probe(site, probe)
