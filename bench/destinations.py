@@ -167,9 +167,7 @@ async def main(args: argparse.Namespace) -> None:
             }
             print()
             print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-            print(
-                f"dead-site connections in all (the first failures before it was down): {trap.connections}"
-            )
+            print(f"dead-site connections in all (failures before it was down): {trap.connections}")
             for k, (p50, p99) in med.items():
                 print(
                     f"median of {args.rounds} rounds, {k:<8}: "
