@@ -83,6 +83,10 @@ class EventKind(StrEnum):
     # the entry store refused an entry as too large: a worker recorded the replies cut
     # further, or held the message (detail says which and why)
     TOO_LARGE = "too_large"
+    # a destination site is down (dead site, RFC 5321 §4.5.4.1) or answers again; these
+    # carry ``site`` and no queue id
+    SITE_DOWN = "site_down"
+    SITE_UP = "site_up"
 
 
 class Event(BaseModel):
@@ -92,7 +96,8 @@ class Event(BaseModel):
         id: unique event id (32 hex characters); consumers may deduplicate on it.
         kind: what happened.
         at: when it was stored, aware UTC.
-        queue_id: the message's queue id.
+        queue_id: the message's queue id; empty for site events.
+        site: the destination site (site events), else None.
         recipient: the forward-path concerned (recipient-level kinds), else None.
         domain: the recipient's routing domain (recipient-level kinds), else None.
         state: the recipient's state after the change (e.g. ``failed`` for a bounce that
@@ -121,7 +126,8 @@ class Event(BaseModel):
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     kind: EventKind
     at: UTCDateTime = Field(default_factory=utcnow)
-    queue_id: str
+    queue_id: str = ""
+    site: str | None = None
     recipient: str | None = None
     domain: str | None = None
     state: RecipientState | None = None

@@ -277,6 +277,17 @@ class Names:
         return "gauges"
 
     @property
+    def destinations_bucket(self) -> str:
+        """KV bucket of the destination limits (``<prefix>-destinations``): session slots,
+        rate buckets, site states and probes, keys by :func:`slot_key` and friends."""
+        return f"{self.prefix}-destinations"
+
+    @property
+    def destinations_stream(self) -> str:
+        """Stream behind the destinations bucket (``KV_<prefix>-destinations``)."""
+        return kv_stream(self.destinations_bucket)
+
+    @property
     def locks_stream(self) -> str:
         """Stream behind the locks bucket (``KV_<prefix>-locks``)."""
         return kv_stream(self.locks_bucket)
@@ -303,6 +314,14 @@ class Names:
             InvalidName: the queue id or domain is not valid.
         """
         return f"{self.prefix}.work.{check_queue_id(queue_id)}.{_subject_domain(domain)}"
+
+    def work_subjects_for(self, domain: str) -> str:
+        """Filter matching every work item of one destination domain (``dest show``).
+
+        Raises:
+            InvalidName: the domain is not valid.
+        """
+        return f"{self.prefix}.work.*.{_subject_domain(domain)}"
 
     def work_subjects_of(self, queue_id: str) -> str:
         """Filter matching every work item of one entry (used to cancel them)."""
@@ -337,10 +356,73 @@ def presence_key(owner: str) -> str:
     """The presence bucket's key of lease owner ``owner``: characters KV keys allow
     (``[-_=.a-zA-Z0-9]``, but ``=`` and ``.`` escaped) kept, every other octet (UTF-8) as
     ``=XX``; distinct owners get distinct keys. Pure."""
+    return key_token(owner)
+
+
+def key_token(text: str) -> str:
+    """``text`` as one KV key token: ``[-_a-zA-Z0-9]`` kept, every other octet (UTF-8,
+    ``.`` and ``=`` included) as ``=XX``; distinct texts get distinct tokens, and
+    :func:`token_text` reverses it. Pure."""
     out = []
-    for ch in owner:
+    for ch in text:
         if ch.isascii() and (ch.isalnum() or ch in "-_"):
             out.append(ch)
         else:
             out.extend(f"={b:02X}" for b in ch.encode())
     return "".join(out) or "=00"
+
+
+def token_text(token: str) -> str:
+    """The text of a :func:`key_token` (``=XX`` escapes decoded). Pure."""
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "=" and _is_hex(token[i + 1 : i + 3]):
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(token[i].encode())
+            i += 1
+    return raw.decode("utf-8", "replace")
+
+
+def _is_hex(text: str) -> bool:
+    return len(text) == 2 and all(c in "0123456789ABCDEFabcdef" for c in text)
+
+
+#: Kinds of rate bucket kept per site in the destinations bucket.
+RATE_KINDS = ("msg", "conn")
+
+
+def slot_key(site: str, n: int) -> str:
+    """Key of session slot ``n`` of ``site`` in the destinations bucket. Pure."""
+    return f"slot.{key_token(site)}.{n}"
+
+
+def slot_filter(site: str | None = None) -> str:
+    """Key filter of every slot (of one site, or of all)."""
+    return f"slot.{key_token(site)}.*" if site is not None else "slot.>"
+
+
+def rate_key(site: str, kind: str) -> str:
+    """Key of ``site``'s GCRA state for ``kind`` (:data:`RATE_KINDS`). Pure."""
+    return f"rate.{key_token(site)}.{kind}"
+
+
+def site_key(site: str) -> str:
+    """Key of ``site``'s shared state (failures, cool-off, throttle). Pure."""
+    return f"site.{key_token(site)}"
+
+
+def probe_key(site: str) -> str:
+    """Key held by the one worker probing a dead ``site``. Pure."""
+    return f"probe.{key_token(site)}"
+
+
+def site_of_key(key: str) -> tuple[str, str] | None:
+    """(kind, site) of a destinations bucket key (kind ``slot``, ``rate``, ``site`` or
+    ``probe``), None for anything else. Pure."""
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[0] in ("slot", "rate", "site", "probe"):
+        return parts[0], token_text(parts[1])
+    return None

@@ -233,6 +233,9 @@ R550_NULL_MX = _r(550, "5.1.10", "Recipient domain does not accept mail (null MX
 R550_NO_SUCH_DOMAIN = _r(550, "5.1.2", "Recipient domain does not exist (NXDOMAIN)")
 R451_DNS_TEMPFAIL = _r(451, "4.4.3", "Temporary DNS failure looking up the recipient domain")
 R451_CONNECT_FAILED = _r(451, "4.4.1", "No answer from any mail exchanger of the domain")
+#: Deferred without connecting: the site is a dead site until its cool-off ends (RFC 5321
+#: §4.5.4.1); jsqueue.destinations appends "site <site> down until <time>".
+R451_SITE_DOWN = _r(451, "4.4.1", "Delivery to this site is suspended")
 R451_CONNECTION_LOST = _r(451, "4.4.2", "Connection to the mail exchanger was lost")
 R451_PROTOCOL_ERROR = _r(451, "4.5.0", "Protocol error in the remote reply")
 R451_TLS_REQUIRED = _r(451, "4.7.5", "TLS required by policy but could not be established")

@@ -20,6 +20,8 @@ from jsqueue.delivery.dkim import load_keys
 from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.policy.reporting import TlsReporter, report_loop
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
+from jsqueue.destination_metrics import DestinationCollector
+from jsqueue.destinations import Destinations
 from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.errors import JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
@@ -106,18 +108,47 @@ def build_worker(
         ),
     )
     policy = RetryPolicy.from_settings(settings.retry)
+    resolver = resolver or resolver_from_settings(settings.worker)
+    sites = destination_limits(settings, stores, resolver, observer)
+    deliverer = SmtpDeliverer(
+        resolver,
+        settings.worker,
+        PolicyEngine(settings.outbound_tls, settings.worker, stores.policies),
+        sites.site_known if sites else None,
+    )
+    if sites is not None:
+        sites.idle_sessions = deliverer.idle_sessions
     return Worker(
         cached,
-        SmtpDeliverer(
-            resolver or resolver_from_settings(settings.worker),
-            settings.worker,
-            PolicyEngine(settings.outbound_tls, settings.worker, stores.policies),
-        ),
+        deliverer,
         DsnNotifier(cached, settings.dsn, policy),
         settings.worker,
         policy,
         RetryPolicy.from_settings(settings.retry, dsn=True),
         ack_wait_s=settings.nats.ack_wait_s,
+        observer=observer,
+        sites=sites,
+    )
+
+
+def destination_limits(
+    settings: Settings, stores: Stores, resolver: Resolver, observer: Observer
+) -> Destinations | None:
+    """The cluster-wide destination limits of one worker (:mod:`jsqueue.destinations`);
+    None when ``destinations.enabled`` is false or the stores share no destinations
+    bucket."""
+    if not settings.destinations.enabled or stores.destinations is None:
+        return None
+
+    async def mx_hosts(domain: str) -> list[str]:
+        return [target.host for target in await resolver.resolve(domain)]
+
+    owner = settings.worker.lease_owner or socket.gethostname()
+    return Destinations(
+        stores.destinations,
+        settings.destinations,
+        owner=owner,
+        mx_hosts=mx_hosts,
         observer=observer,
     )
 
@@ -183,6 +214,9 @@ async def run_services(
             tel.health.set("smtp", True)
         if worker:
             w = build_worker(settings, stores, observer=tel.observer)
+            if w.sites is not None:
+                top = settings.destinations.metrics_sites
+                tel.metrics.registry.register(DestinationCollector(w.sites.snapshot, top))
             owner = w.owner
             tasks.append(asyncio.create_task(w.run(stop)))
             tel.health.set("worker", True)

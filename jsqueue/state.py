@@ -199,6 +199,27 @@ def release(entry: Entry, domain: str) -> Entry:
     return new
 
 
+def site_deferred(entry: Entry, domain: str, reply: Reply, until: datetime) -> Entry | None:
+    """``domain``'s open recipients deferred without a connection because the destination
+    site is a dead site (RFC 5321 §4.5.4.1): ``reply`` (``451 4.4.1 … site down until …``)
+    becomes their last reply and ``until`` their next attempt; their attempt count stays
+    (no attempt was made). Recipients under a lease are not touched. Pure.
+
+    Returns:
+        the new entry (written by compare-and-set), None when nothing would change.
+    """
+    if domain in entry.leases:
+        return None
+    new = _copy(entry)
+    changed = False
+    for r in new.open_recipients(domain):
+        if r.last_reply != reply or r.next_attempt_at != until:
+            r.last_reply, r.next_attempt_at = reply, until
+            r.state = RecipientState.DEFERRED
+            changed = True
+    return new if changed else None
+
+
 def hold(entry: Entry, domain: str, owner: str, reason: str | None) -> Entry:
     """Hold ``entry`` because a worker cannot store what it did with ``domain`` (the entry
     store refuses the entry as too large): ``owner``'s lease on ``domain`` is given back as

@@ -192,3 +192,39 @@ def _recipient_view(entry: Entry, index: int) -> RecipientView:
         orcpt=r.orcpt,
         dsn_sent=r.dsn_sent,
     )
+
+
+class DestinationView(BaseModel):
+    """One destination site as ``dest ls`` / ``dest show`` (and later the HTTP API) show it,
+    read from the destinations bucket, so cluster-wide.
+
+    Attributes:
+        site: the site (a destination domain, or a group name from ``destinations.groups``).
+        sessions: session slots held across the cluster (open SMTP sessions, and idle ones
+            kept for reuse).
+        holders: worker name -> slots it holds (``dest show`` only; empty in listings).
+        limit: the configured session limit.
+        allowed: sessions allowed now (lower while throttled or while connection failures
+            are counted).
+        status: ``up``, ``down`` (dead site, RFC 5321 §4.5.4.1) or ``probe``.
+        down_until: end of the cool-off, when down.
+        failures: consecutive connection-level failures counted.
+        throttled_until: when a throttle (a 421 or throttling 4yz) starts to wear off.
+        message_rate: the message rate limit (``100/m``), None when off.
+        connection_rate: the connection rate limit, None when off.
+        queued: work items queued for the site, None when not counted (site groups, or
+            a listing asked not to count).
+    """
+
+    site: str
+    sessions: int
+    holders: dict[str, int] = Field(default_factory=dict)
+    limit: int
+    allowed: int
+    status: Literal["up", "down", "probe"]
+    down_until: UTCDateTime | None = None
+    failures: int = 0
+    throttled_until: UTCDateTime | None = None
+    message_rate: str | None = None
+    connection_rate: str | None = None
+    queued: int | None = None

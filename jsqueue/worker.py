@@ -21,8 +21,10 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from jsqueue import state
+from jsqueue.attempt_log import log_attempt, log_expired
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
+from jsqueue.destinations import Destinations, Gate, put_back
 from jsqueue.envelope import Entry, utcnow
 from jsqueue.errors import (
     EntryNotFound,
@@ -34,15 +36,12 @@ from jsqueue.events import (
     NULL_OBSERVER,
     EventKind,
     Observer,
-    attempt_events,
     entry_event,
-    recipient_event,
 )
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
 from jsqueue.store.base import Due, Stores, Versioned
-from jsqueue.worker_log import log_outcome
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -112,6 +111,8 @@ class Worker:
         ack_wait_s: the work consumer's ack wait, seconds: the heartbeat keeps a long
             delivery's item alive within it.
         observer: receives an event per recorded recipient outcome (jsqueue.events).
+        sites: the cluster-wide destination limits (:mod:`jsqueue.destinations`): each
+            item's site is admitted before the claim; None = no limits.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class Worker:
         rng: random.Random | None = None,
         ack_wait_s: float = 60.0,
         observer: Observer = NULL_OBSERVER,
+        sites: Destinations | None = None,
     ) -> None:
         self.stores = stores
         self.deliverer = deliverer
@@ -146,6 +148,7 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self.handled = 0
         self.observer = observer
+        self.sites = sites
 
     # ------------------------------------------------------------------ loop
 
@@ -163,9 +166,14 @@ class Worker:
         """
         await self.take_name()
         beats = asyncio.create_task(self._presence_beats())
+        halt = asyncio.Event()  # slots are kept until the drain is over
+        upkeep = asyncio.create_task(self.sites.run(halt)) if self.sites else None
         try:
             await self._loop(stop, idle_exit_s)
         finally:
+            halt.set()
+            if upkeep is not None:
+                await upkeep
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
@@ -289,10 +297,22 @@ class Worker:
         return self.dsn_policy if entry.is_dsn or entry.reverse_path == "" else self.policy
 
     async def _process(self, due: Due) -> None:
+        """:meth:`_check_claim`, and give back a site admission it did not use."""
+        gate = Gate()
+        try:
+            await self._check_claim(due, gate)
+        finally:
+            if self.sites is not None and gate.admission is not None:
+                await self.sites.done(gate.admission, None)
+
+    async def _check_claim(self, due: Due, gate: Gate) -> None:
         """Check the item against its entry and claim the destination, read again after
         a lost compare-and-set (:data:`~jsqueue.store.cas.CAS_TRIES` reads at most, then
         the item is tried again in a second); then deliver."""
         item = due.item
+        if self.sites is not None and (early := self.sites.early(item.domain)) is not None:
+            await due.retry(early.delay_s)  # its site is full: not even the entry is read
+            return
         async for read in cas.reads(self.stores.entries, item.queue_id, strict=False):
             v = None if isinstance(read, cas.Gone) else read
             deleted = isinstance(read, cas.Gone) and read.deleted
@@ -335,13 +355,21 @@ class Worker:
                 if expired is not None:
                     before = v.entry
                     v = await self._update(expired, v.revision)
-                    self._log_expired(before, v.entry, item.domain)
+                    log_expired(
+                        self.observer, self._source, self.clock(), before, v.entry, item.domain
+                    )
                     await self._finish(v)
                     await due.ack()
                     return
                 if key in self._busy:  # another task of ours claimed it meanwhile
                     await due.retry(1.0)
                     return
+                if self.sites is not None and gate.admission is None:
+                    # before the claim: a full or dead site costs no lease write
+                    gate.admission = await self.sites.admit(item.domain)
+                    if not gate.admission.go:
+                        await put_back(self.stores, due, v, gate.admission, self._source)
+                        return
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
                 old = v.entry.leases.get(item.domain)
                 self._busy.add(key)
@@ -363,13 +391,13 @@ class Worker:
                     old.until.isoformat(),
                 )
             try:
-                await self._attempt(due, v)
+                await self._attempt(due, v, gate)
             finally:
                 self._busy.discard(key)
             return
         await due.retry(1.0)
 
-    async def _attempt(self, due: Due, claimed: Versioned) -> None:
+    async def _attempt(self, due: Due, claimed: Versioned, gate: Gate) -> None:
         item = due.item
         entry = claimed.entry
         recipients = entry.open_recipients(item.domain)
@@ -381,6 +409,9 @@ class Worker:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
         finally:
             heartbeat.cancel()
+        if self.sites is not None and gate.admission is not None:
+            admission, gate.admission = gate.admission, None
+            await self.sites.done(admission, delivery)
         outcome: _Outcome | None = None
         for step, octets in enumerate(REPLY_OCTET_STEPS):
             try:
@@ -397,8 +428,16 @@ class Worker:
             _, recorded = state.record(
                 held.version.entry, item.domain, delivery.replies, now, self.policy, self.rng
             )
-            self._log_attempt(
-                held.version.entry, item.domain, recorded, started, now, delivery, events=False
+            log_attempt(
+                self.observer,
+                self._source,
+                held.version.entry,
+                item.domain,
+                recorded,
+                started,
+                now,
+                delivery,
+                events=False,
             )
             await self._hold(due, held.version, refused)
             return
@@ -407,7 +446,9 @@ class Worker:
             await due.ack()
             return
         v, recorded, removed, now = outcome
-        self._log_attempt(v.entry, item.domain, recorded, started, now, delivery)
+        log_attempt(
+            self.observer, self._source, v.entry, item.domain, recorded, started, now, delivery
+        )
         if removed:
             if v.entry.inline_body is None:
                 await self.stores.bodies.delete(v.entry.id)
@@ -533,6 +574,10 @@ class Worker:
         """
         return await layout.update_entry(self.stores, entry, revision)
 
+    @property
+    def _source(self) -> str:
+        return f"worker:{self.owner}"
+
     def _pause(self, attempt: int) -> float:
         """The random growing pause before recording try ``attempt``, seconds
         (:func:`jsqueue.store.cas.growing_pause`, up to :data:`RECORD_PAUSE_MAX_S`)."""
@@ -605,68 +650,3 @@ class Worker:
                 return
             except RevisionConflict:
                 continue
-
-    # ------------------------------------------------------------------ logging
-
-    def _log_attempt(
-        self,
-        entry: Entry,
-        domain: str,
-        recorded: state.Recorded,
-        started: datetime,
-        now: datetime,
-        delivery: Attempt,
-        *,
-        events: bool = True,
-    ) -> None:
-        """One line per recipient, and (with ``events``) one event: the attempt's whole
-        reply (the entry keeps it bounded). ``mx=`` is the host whose reply was recorded,
-        else the host the attempt tried, else ``-`` (no host reached, e.g. a DNS failure);
-        the JSON field ``mx`` is null in that last case. A recipient whose final ``.`` went
-        out without a reply (``delivery.uncertain``) is logged ``uncertain=yes`` and its
-        event carries ``uncertain: true`` (RFC 5321 §6.1: it may be delivered twice)."""
-        tried = delivery.host
-        took = (now - started).total_seconds()
-        age = (now - entry.created_at).total_seconds()
-        groups = (
-            (EventKind.DELIVERED, recorded.delivered),
-            (EventKind.DEFERRED, recorded.deferred),
-            (EventKind.BOUNCED, recorded.bounced),
-            (EventKind.EXPIRED, recorded.expired),
-        )
-        for kind, rcpts in groups:
-            outcome = kind.value
-            for r in rcpts:
-                reply = delivery.replies.get(r.address) or r.last_reply
-                mx = (reply.remote_host if reply else None) or tried
-                uncertain = r.address in delivery.uncertain
-                log_outcome(entry, r, domain, outcome, mx, reply, took, age, uncertain, delivery)
-        if not events:
-            return
-        for event in attempt_events(
-            entry,
-            groups,
-            source=f"worker:{self.owner}",
-            at=now,
-            duration_s=took,
-            replies=delivery.replies,
-            uncertain=delivery.uncertain,
-            dkim=delivery.dkim,
-        ):
-            self.observer.emit(event)
-
-    def _log_expired(self, before: Entry, entry: Entry, domain: str) -> None:
-        was_open = {r.address for r in before.open_recipients(domain)}
-        for r in entry.recipients:
-            if r.address in was_open and r.state.is_final:
-                log.info(
-                    "queue=%s to=<%s> outcome=expired",
-                    entry.id,
-                    r.address,
-                    extra={"queue_id": entry.id, "recipient": r.address, "outcome": "expired"},
-                )
-                self.observer.emit(
-                    recipient_event(
-                        EventKind.EXPIRED, entry, r, source=f"worker:{self.owner}", at=self.clock()
-                    )
-                )

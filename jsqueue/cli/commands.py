@@ -25,6 +25,7 @@ import uvloop
 from pydantic import BaseModel, ValidationError
 
 from jsqueue.admin import EntryFilter, parse_duration
+from jsqueue.cli import dest
 from jsqueue.cli.render import (
     LS_HEADER,
     render_counts,
@@ -641,3 +642,6 @@ def events_tail(
         task.result()
 
     _run_until_signal(main)
+
+
+dest.register(app, _settings, _run_until_signal, _echo_json)

@@ -10,6 +10,7 @@ TOML file does: a misspelt variable is never silently ignored.
 """
 
 from jsqueue.config.api import ApiSettings
+from jsqueue.config.destinations import DestinationSettings, Rate, parse_rate
 from jsqueue.config.loading import MASK, env_names, load_settings, toml_text
 from jsqueue.config.reference import settings_reference
 from jsqueue.config.sections import (
@@ -34,11 +35,13 @@ __all__ = [
     "MASK",
     "ApiSettings",
     "BareLinePolicy",
+    "DestinationSettings",
     "DsnSettings",
     "HttpSettings",
     "LogSettings",
     "NatsSettings",
     "OutboundTlsSettings",
+    "Rate",
     "ReconcilerSettings",
     "RetrySettings",
     "Settings",
@@ -49,6 +52,7 @@ __all__ = [
     "WorkerSettings",
     "env_names",
     "load_settings",
+    "parse_rate",
     "setting_paths",
     "settings_reference",
     "toml_text",

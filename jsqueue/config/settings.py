@@ -21,6 +21,7 @@ from pydantic_settings import (
 )
 
 from jsqueue.config.api import ApiSettings
+from jsqueue.config.destinations import DestinationSettings
 from jsqueue.config.sections import (
     CONFIG_ENV,
     DsnSettings,
@@ -66,6 +67,7 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     outbound_tls: OutboundTlsSettings = Field(default_factory=OutboundTlsSettings)
+    destinations: DestinationSettings = Field(default_factory=DestinationSettings)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -149,12 +149,16 @@ class Attempt:
             their events carry ``uncertain: true``.
         dkim: the DKIM signing of the message sent (see :attr:`DeliveryResult.dkim`):
             logged ``dkim=``, in the events and in ``queue show``.
+        reached: the MX host whose server answered as far as MAIL (the session was up),
+            None when none did (no address answered, TLS or the greeting failed, or no
+            connection was tried): the destination limits count connection failures by it.
     """
 
     replies: Mapping[str, Reply]
     host: str | None = None
     uncertain: frozenset[str] = frozenset()
     dkim: str | None = None
+    reached: str | None = None
 
 
 class Deliverer(Protocol):

@@ -98,6 +98,11 @@ class ConnectionCache:
         """Idle sessions held right now."""
         return sum(len(v) for v in self._idle.values())
 
+    @property
+    def closing(self) -> int:
+        """Idle sessions whose QUIT is under way (still connected, until it completes)."""
+        return len(self._closing)
+
     def take(self, key: CacheKey) -> IdleSession | None:
         """The most recently used idle session for ``key`` still fit for reuse (connected,
         younger than ``max_age_s`` seconds), or None; unfit ones found on the way are

@@ -4,7 +4,7 @@ attempt per destination domain, with the outbound sessions kept between deliveri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from jsqueue.config import WorkerSettings
@@ -22,29 +22,54 @@ __all__ = ["SmtpDeliverer"]
 class SmtpDeliverer:
     """Delivers over SMTP: resolves the domain, tries its targets (RFC 5321 §5.1).
 
+    Sessions kept idle between deliveries are cached per *site* (``site_of``), so that
+    :meth:`idle_sessions` can tell the destination limits how many connections to a site
+    stay open after their deliveries ended (each holds a session slot,
+    :mod:`jsqueue.destinations`).
+
     Args:
         resolver: MX (or smarthost) resolution.
         settings: the ``worker`` settings section (timeouts, TLS policy, port, connection
             cache lifetimes in seconds, DKIM keys).
         engine: decides each MX's TLS policy (DANE, MTA-STS; RFC 7672, RFC 8461); the
             configured ``worker.tls`` alone when None.
+        site_of: destination domain -> site name; every domain is its own site when None.
 
     Raises:
         ConfigError: a ``worker.dkim`` key cannot be used (one line naming the setting).
     """
 
     def __init__(
-        self, resolver: Resolver, settings: WorkerSettings, engine: PolicyEngine | None = None
+        self,
+        resolver: Resolver,
+        settings: WorkerSettings,
+        engine: PolicyEngine | None = None,
+        site_of: Callable[[str], str] | None = None,
     ) -> None:
         self.resolver = resolver
         self.settings = settings
         self.engine = engine
-        self.connections = ConnectionCache(
-            idle_s=settings.connection_cache_s,
-            max_age_s=settings.connection_reuse_s,
-            max_idle=settings.concurrency,
-        )
+        self.site_of = site_of or (lambda domain: domain)
+        self._caches: dict[str, ConnectionCache] = {}
         self.signer = DkimSigner.from_settings(settings.dkim)
+
+    def _cache(self, site: str) -> ConnectionCache:
+        cache = self._caches.get(site)
+        if cache is None:
+            if len(self._caches) > 4 * self.settings.concurrency:  # forget unused sites
+                for name in [n for n, c in self._caches.items() if not c.idle and not c.closing]:
+                    del self._caches[name]
+            cache = self._caches[site] = ConnectionCache(
+                idle_s=self.settings.connection_cache_s,
+                max_age_s=self.settings.connection_reuse_s,
+                max_idle=self.settings.concurrency,
+            )
+        return cache
+
+    def idle_sessions(self, site: str) -> tuple[int, int]:
+        """(sessions kept idle for reuse, idle sessions being closed with QUIT) of ``site``."""
+        cache = self._caches.get(site)
+        return (0, 0) if cache is None else (cache.idle, cache.closing)
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
@@ -64,13 +89,20 @@ class SmtpDeliverer:
             envelope,
             body,
             self.settings,
-            self.connections,
+            self._cache(self.site_of(domain)),
             engine=self.engine,
             signer=self.signer,
         )
-        return Attempt(result.replies, result.tried_host, result.uncertain, result.dkim)
+        return Attempt(
+            result.replies,
+            result.tried_host,
+            result.uncertain,
+            dkim=result.dkim,
+            reached=result.mx_host,
+        )
 
     async def close(self) -> None:
         """QUIT the cached sessions, stop the signing thread. Idempotent."""
-        await self.connections.close()
+        for cache in list(self._caches.values()):
+            await cache.close()
         self.signer.close()

@@ -30,6 +30,7 @@ from jsqueue.names import check_domain, check_queue_id
 from jsqueue.store.base import (
     BodyInfo,
     Due,
+    Keyed,
     PresenceMark,
     Stores,
     Versioned,
@@ -410,6 +411,60 @@ class MemoryPresence:
         self._marks.pop(owner, None)
 
 
+class MemoryDestinations:
+    """:class:`~jsqueue.store.base.DestinationStore` in a dict: key -> (value, revision,
+    expiry on the event loop's clock). Revisions grow across all keys, as stream sequences
+    do; an expired key reads as absent with revision 0, a deleted one at its delete's."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[dict[str, object] | None, int, float]] = {}
+        self._revision = 0
+
+    def _read(self, key: str) -> Keyed:
+        item = self._keys.get(key)
+        if item is None:
+            return Keyed(None, 0)
+        if item[2] <= asyncio.get_running_loop().time():
+            del self._keys[key]
+            return Keyed(None, 0)
+        return Keyed(item[0], item[1])
+
+    async def get(self, key: str) -> Keyed:
+        """See :meth:`DestinationStore.get`."""
+        return self._read(key)
+
+    async def put(
+        self, key: str, value: dict[str, object], *, revision: int | None, ttl_s: float
+    ) -> int | None:
+        """See :meth:`DestinationStore.put`."""
+        if revision is not None and self._read(key).revision != revision:
+            return None
+        self._revision += 1
+        expiry = asyncio.get_running_loop().time() + max(1, math.ceil(ttl_s))
+        self._keys[key] = (dict(value), self._revision, expiry)
+        return self._revision
+
+    async def delete(self, key: str, *, revision: int | None) -> bool:
+        """See :meth:`DestinationStore.delete`: the key reads as absent at a new revision
+        for a second, then as never written."""
+        current = self._read(key)
+        if revision is not None and current.revision != revision:
+            return False
+        if current.value is None:
+            return True
+        self._revision += 1
+        self._keys[key] = (None, self._revision, asyncio.get_running_loop().time() + 1)
+        return True
+
+    async def keys(self, prefix: str) -> list[str]:
+        """See :meth:`DestinationStore.keys`."""
+        return sorted(k for k in list(self._keys) if k.startswith(prefix) and self._read(k).value)
+
+    async def queued(self, domain: str) -> int | None:
+        """See :meth:`DestinationStore.queued`: not known here (None)."""
+        return None
+
+
 def open_memory(ack_wait_s: float = 30.0) -> Stores:
     """A fresh in-memory body store, entry store, scheduler and ingest log."""
 
@@ -423,4 +478,5 @@ def open_memory(ack_wait_s: float = 30.0) -> Stores:
         _close,
         MemoryIngestLog(),
         presence=MemoryPresence(),
+        destinations=MemoryDestinations(),
     )

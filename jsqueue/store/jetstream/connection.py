@@ -21,6 +21,7 @@ from jsqueue.names import Names
 from jsqueue.store.base import Lock, Stores
 from jsqueue.store.jetstream.api import NATS_FAILURES, describe, translate
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
+from jsqueue.store.jetstream.destinations import JetStreamDestinations
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.store.jetstream.ingest import JetStreamIngestLog
 from jsqueue.store.jetstream.lock import JetStreamLock
@@ -198,8 +199,17 @@ async def open_jetstream(
 
     presence = JetStreamPresence(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
     policies = JetStreamPolicyCache(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
+    destinations = JetStreamDestinations(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
     return Stores(
-        bodies, entries, scheduler, close, ingest, lock=lock, presence=presence, policies=policies
+        bodies,
+        entries,
+        scheduler,
+        close,
+        ingest,
+        lock=lock,
+        presence=presence,
+        policies=policies,
+        destinations=destinations,
     )
 
 

@@ -1,0 +1,666 @@
+"""Destination limits across the cluster (composition): before a worker claims a work item it
+asks :class:`Destinations` to *admit* the item's site; after the attempt it reports what came
+back. The arithmetic is :mod:`jsqueue.limits`'s; the shared state lives in the destinations
+KV bucket (:class:`~jsqueue.store.base.DestinationStore`), so the limits hold across every
+worker with no other service. ``docs/architecture.md`` (Destinations) tells the whole story.
+
+What is shared, per site (keys in :mod:`jsqueue.names`):
+
+* session slots ``slot.<site>.<n>``, ``n`` below the site's limit: a worker takes one by
+  create-if-absent before it opens a session, keeps it while the session runs *and* while
+  its connection cache keeps that session idle, renews it by compare-and-set every third
+  of ``slot_ttl_s`` and deletes it when no session of its own needs it. A worker killed with
+  SIGKILL renews nothing: its slots expire by TTL within ``slot_ttl_s`` seconds.
+* GCRA buckets ``rate.<site>.msg`` / ``rate.<site>.conn``: one theoretical arrival time
+  each, advanced by compare-and-set.
+* the site state ``site.<site>``: consecutive connection failures, the dead-site cool-off
+  (RFC 5321 §4.5.4.1), the throttle after a 421 (§4.2.2, §4.5.3.2).
+* ``probe.<site>``: the one worker probing a site whose cool-off ran out.
+
+Hot path: a delivery that reuses a slot this worker holds costs no round trip; the site
+state is read at most once per ``state_refresh_s`` per site and worker; a message rate
+costs one compare-and-set per message; a new session one create (more when slots are
+contended) and one delete when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from jsqueue import limits, state
+from jsqueue.config import DestinationSettings, Rate
+from jsqueue.delivery.base import Attempt
+from jsqueue.envelope import utcnow
+from jsqueue.errors import DeliveryError, EntryTooLarge, RevisionConflict, StoreUnavailable
+from jsqueue.events import NULL_OBSERVER, Event, EventKind, Observer
+from jsqueue.limits import SiteSnapshot, SiteState, SiteStatus
+from jsqueue.names import probe_key, rate_key, site_key, slot_key
+from jsqueue.replies import R451_SITE_DOWN, Reply
+from jsqueue.store import layout
+from jsqueue.store.base import DestinationStore, Due, Stores, Versioned
+
+__all__ = ["Admission", "Destinations", "Gate", "put_back", "site_down_reply"]
+
+log = logging.getLogger("jsqueue.destinations")
+
+#: Seconds a worker remembers that every slot of a site was taken before it scans again.
+FULL_MEMO_S = 0.5
+#: Refusals of a full site in a row after which a worker's put-back delay grows by another
+#: ``full_delay_s`` (up to :data:`FULL_BACKOFF_MAX` times it): a worker that holds no slot of
+#: a busy site touches its items less and less often, and the one holding the slots gets them.
+FULL_STREAK_STEP = 20
+FULL_BACKOFF_MAX = 4
+#: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
+SITE_NAME_TTL_S = 300.0
+#: Compare-and-set tries on a site state or rate bucket before giving up for this time.
+CAS_TRIES = 5
+#: Put-back delay of an item whose site is being probed by another worker, seconds.
+PROBE_WAIT_S = 2.0
+
+
+def site_down_reply(site: str, until: datetime) -> Reply:
+    """The reply recorded for mail deferred without connecting because its site is down:
+    ``451 4.4.1 site <site> down until <time>`` (RFC 5321 §4.5.4.1; RFC 3463 4.4.1 "no
+    answer from host"). Pure."""
+    stamp = until.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return R451_SITE_DOWN.model_copy(
+        update={"text": f"{R451_SITE_DOWN.text}: site {site} down until {stamp}"}
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The answer to :meth:`Destinations.admit`.
+
+    Attributes:
+        site: the site the domain counts against.
+        go: deliver now (a session unit is reserved: call :meth:`Destinations.done`).
+        delay_s: when not ``go``, seconds to put the item back for (jittered); it is not a
+            delivery attempt.
+        reason: ``full``, ``rate``, ``down`` or ``probing`` when not ``go``; empty otherwise.
+        reply: for ``down``: the 451 4.4.1 reply to record for the deferred recipients.
+        probe: ``go`` as the one probe of a dead site whose cool-off ran out.
+    """
+
+    site: str
+    go: bool
+    delay_s: float = 0.0
+    reason: str = ""
+    reply: Reply | None = None
+    probe: bool = False
+
+
+@dataclass
+class _Site:
+    """A worker's view of one site."""
+
+    name: str
+    slots: dict[int, int] = field(default_factory=dict)  # slot n -> revision we wrote
+    active: int = 0
+    waiters: int = 0
+    freed: asyncio.Event = field(default_factory=asyncio.Event)
+    state: SiteState = field(default_factory=SiteState)
+    state_rev: int = 0
+    state_at: float = -1e9  # loop time of the last read
+    full_until: float = 0.0  # loop time
+    tats: dict[str, tuple[float | None, int]] = field(default_factory=dict)
+    probe_rev: int | None = None
+    used_at: float = 0.0
+    deferred: dict[str, int] = field(default_factory=dict)
+    full_streak: int = 0
+
+
+class Destinations:
+    """Cluster-wide per-site limits for one worker process.
+
+    Args:
+        store: the shared destinations bucket.
+        settings: the ``[destinations]`` section.
+        owner: this worker's name (written into the slots it holds, for ``dest show``).
+        mx_hosts: async domain -> MX host names, used only when ``settings.groups`` is set
+            (site by MX host pattern); None = sites are domains.
+        observer: receives ``site_down`` / ``site_up`` events.
+        clock: Unix seconds (the shared state's times are Unix seconds).
+        rng: jitter source.
+    """
+
+    def __init__(
+        self,
+        store: DestinationStore,
+        settings: DestinationSettings,
+        *,
+        owner: str,
+        mx_hosts: Callable[[str], Awaitable[list[str]]] | None = None,
+        observer: Observer = NULL_OBSERVER,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.owner = owner
+        self.mx_hosts = mx_hosts
+        self.observer = observer
+        self.clock = clock
+        self.rng = rng or random.Random()
+        #: site -> (idle sessions kept by the connection cache, sessions being closed);
+        #: set by the composition to the deliverer's count, so idle sessions keep slots.
+        self.idle_sessions: Callable[[str], tuple[int, int]] = lambda site: (0, 0)
+        self._sites: dict[str, _Site] = {}
+        self._names: dict[str, tuple[str, float]] = {}
+
+    # ------------------------------------------------------------------ sites
+
+    def site_known(self, domain: str) -> str:
+        """The site of ``domain`` as last found by :meth:`site_for` (the domain itself when
+        never looked up). Synchronous: the deliverer picks its per-site connection cache
+        with it."""
+        known = self._names.get(domain)
+        return known[0] if known is not None else domain
+
+    async def site_for(self, domain: str) -> str:
+        """The site of ``domain`` (:func:`jsqueue.limits.site_for`): the domain, or the
+        group its MX host names match. Looks MX hosts up at most once per
+        :data:`SITE_NAME_TTL_S` per domain, and only when groups are configured; a failed
+        lookup leaves the site the domain."""
+        groups = self.settings.groups
+        if not groups:
+            return domain
+        loop = asyncio.get_running_loop()
+        known = self._names.get(domain)
+        if known is not None and known[1] > loop.time():
+            return known[0]
+        site = limits.site_for(domain, (), groups)
+        if site == domain and self.mx_hosts is not None:
+            with contextlib.suppress(DeliveryError):
+                site = limits.site_for(domain, await self.mx_hosts(domain), groups)
+        self._names[domain] = (site, loop.time() + SITE_NAME_TTL_S)
+        return site
+
+    def _site(self, name: str) -> _Site:
+        site = self._sites.get(name)
+        if site is None:
+            site = self._sites[name] = _Site(name)
+        site.used_at = asyncio.get_running_loop().time()
+        return site
+
+    def _jitter(self, delay_s: float, spread: float = 0.5) -> float:
+        return delay_s * (1 + self.rng.uniform(0, spread))
+
+    # ------------------------------------------------------------------ admission
+
+    async def admit(self, domain: str) -> Admission:
+        """May mail for ``domain`` be delivered now? Never blocks longer than
+        ``slot_wait_s`` (no head-of-line blocking: a full, throttled or dead site puts its
+        item back with a delay instead of holding the fetch loop).
+
+        Returns:
+            ``go`` with a session unit reserved (pair it with :meth:`done`), or a put-back
+            delay and reason; for a dead site (RFC 5321 §4.5.4.1) the ``451 4.4.1 … down
+            until …`` reply and the end of its cool-off. When the bucket is unreachable
+            the item is admitted (limits are best effort against an outage of NATS, which
+            stops the queue anyway).
+        """
+        site_name = await self.site_for(domain)
+        try:
+            return await self._admit(self._site(site_name))
+        except StoreUnavailable as e:
+            log.warning("site %s: limits unavailable (%s); delivering unlimited", site_name, e)
+            self._site(site_name).active += 1
+            return Admission(site_name, True)
+
+    async def _admit(self, site: _Site) -> Admission:
+        s = self.settings
+        state = await self._state(site)
+        now = self.clock()
+        st = limits.status(state, now, s.dead_after)
+        if st is SiteStatus.DOWN and state.down_until is not None:
+            until = datetime.fromtimestamp(state.down_until, UTC)
+            spread = min(s.cool_off_s / 4, 30.0)
+            delay = state.down_until - now + self.rng.uniform(0, spread)
+            return self._defer(site, "down", delay, site_down_reply(site.name, until))
+        probe = False
+        if st is SiteStatus.PROBE:
+            if not await self._take_probe(site):
+                return self._defer(site, "probing", self._jitter(min(PROBE_WAIT_S, s.cool_off_s)))
+            probe = True
+            # the copy may predate a probe that just failed elsewhere: read it again
+            state = await self._state(site, fresh=True)
+            if limits.status(state, self.clock(), s.dead_after) is SiteStatus.DOWN:
+                await self._drop_probe(site, probe)
+                return await self._admit(site)
+        limit = s.sessions_of(site.name)
+        allowed = limits.allowed_sessions(state, limit, now, s.throttle_grow_s)
+        if not await self._unit(site, allowed):
+            await self._drop_probe(site, probe)
+            return self._defer(site, "full", self._full_delay(site))
+        idle, _ = self.idle_sessions(site.name)
+        checks: list[tuple[str, Rate | None]] = [("msg", s.message_rate_of(site.name))]
+        if idle == 0:  # this delivery opens a session
+            checks.insert(0, ("conn", s.connection_rate_of(site.name)))
+        for kind, rate in checks:
+            try:
+                wait = 0.0 if rate is None else await self._rate(site, kind, rate)
+            except BaseException:  # the unit goes back (the caller may admit unlimited)
+                self._free(site)
+                raise
+            if wait > 0:
+                self._free(site)
+                await self._drop_probe(site, probe)
+                return self._defer(site, "rate", wait + self.rng.uniform(0, max(1.0, wait)))
+        return Admission(site.name, True, probe=probe)
+
+    def _full_delay(self, site: _Site) -> float:
+        site.full_streak += 1
+        factor = min(FULL_BACKOFF_MAX, 1 + site.full_streak // FULL_STREAK_STEP)
+        return self._jitter(self.settings.full_delay_s * factor, spread=1.0)
+
+    def early(self, domain: str) -> Admission | None:
+        """A refusal known without a round trip (no entry read, no bucket access): the
+        site of ``domain`` was found full moments ago and no slot of this worker is free.
+        None when :meth:`admit` must decide. Synchronous and cheap: called for every item.
+        """
+        site = self._sites.get(self.site_known(domain))
+        if site is None or asyncio.get_running_loop().time() >= site.full_until:
+            return None
+        s = self.settings
+        allowed = limits.allowed_sessions(
+            site.state, s.sessions_of(site.name), self.clock(), s.throttle_grow_s
+        )
+        if self._has_unit(site, allowed) or site.waiters < max(1, len(site.slots)):
+            return None
+        return self._defer(site, "full", self._full_delay(site))
+
+    def _defer(
+        self, site: _Site, reason: str, delay_s: float, reply: Reply | None = None
+    ) -> Admission:
+        site.deferred[reason] = site.deferred.get(reason, 0) + 1
+        return Admission(site.name, False, max(0.05, delay_s), reason, reply)
+
+    async def _unit(self, site: _Site, allowed: int) -> bool:
+        """Reserve a session unit: a slot this worker holds and no session of its own
+        uses, else a new slot; wait up to ``slot_wait_s`` for one of ours to free when
+        this site's waiters are fewer than its slots here."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.slot_wait_s
+        while True:
+            if self._has_unit(site, allowed) or await self._take_slot(site, allowed):
+                site.active += 1
+                site.full_streak = 0
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0 or site.waiters >= max(1, len(site.slots)):
+                return False
+            site.waiters += 1
+            site.freed.clear()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(site.freed.wait(), remaining)
+            finally:
+                site.waiters -= 1
+
+    def _needed(self, site: _Site) -> int:
+        """Units this worker's own sessions of ``site`` use: deliveries under way, plus idle
+        sessions its connection cache keeps and those being closed."""
+        idle, closing = self.idle_sessions(site.name)
+        return site.active + idle + closing
+
+    def _has_unit(self, site: _Site, allowed: int) -> bool:
+        usable = sum(1 for n in site.slots if n < allowed)
+        idle, closing = self.idle_sessions(site.name)
+        # a new delivery reuses an idle session when there is one, else opens its own
+        return usable >= site.active + max(idle, 1) + closing
+
+    async def _take_slot(self, site: _Site, allowed: int) -> bool:
+        loop = asyncio.get_running_loop()
+        if loop.time() < site.full_until:
+            return False
+        free = [n for n in range(allowed) if n not in site.slots]
+        self.rng.shuffle(free)
+        value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
+        for n in free:
+            key = slot_key(site.name, n)
+            rev = await self.store.put(key, value, revision=0, ttl_s=self.settings.slot_ttl_s)
+            if rev is None:
+                current = await self.store.get(key)
+                if current.value is None:  # a delete marker: compare-and-set on it
+                    rev = await self.store.put(
+                        key, value, revision=current.revision, ttl_s=self.settings.slot_ttl_s
+                    )
+            if rev is not None:
+                site.slots[n] = rev
+                return True
+        site.full_until = loop.time() + FULL_MEMO_S
+        return False
+
+    def _free(self, site: _Site) -> None:
+        site.active = max(0, site.active - 1)
+        site.freed.set()
+
+    async def _rate(self, site: _Site, kind: str, rate: Rate) -> float:
+        """Take one event from ``site``'s GCRA bucket ``kind``; 0 when taken, else seconds
+        to wait. A refusal by the TAT last seen costs no round trip: a TAT only grows."""
+        key = rate_key(site.name, kind)
+        tat, rev = site.tats.get(kind, (None, -1))
+        for _ in range(CAS_TRIES):
+            if rev < 0:
+                read = await self.store.get(key)
+                rev = read.revision
+                raw = (read.value or {}).get("tat")
+                tat = float(raw) if isinstance(raw, int | float) else None
+            now = self.clock()
+            step = limits.gcra(tat, now, rate.events, rate.interval_s, self.settings.rate_burst)
+            if not step.allowed:
+                site.tats[kind] = (tat, rev)
+                return step.wait_s
+            ttl = step.tat_s - now + rate.interval_s
+            new = await self.store.put(key, {"tat": step.tat_s}, revision=rev, ttl_s=ttl)
+            if new is not None:
+                site.tats[kind] = (step.tat_s, new)
+                return 0.0
+            rev = -1
+        return self.settings.full_delay_s
+
+    # ------------------------------------------------------------------ site state
+
+    def _state_ttl_s(self, site: str) -> float:
+        s = self.settings
+        return 2 * s.cool_off_s + s.throttle_hold_s + s.throttle_grow_s * s.sessions_of(site)
+
+    async def _state(self, site: _Site, *, fresh: bool = False) -> SiteState:
+        loop = asyncio.get_running_loop()
+        if fresh or loop.time() - site.state_at >= self.settings.state_refresh_s:
+            read = await self.store.get(site_key(site.name))
+            site.state, site.state_rev = SiteState.from_json(read.value), read.revision
+            site.state_at = loop.time()
+        return site.state
+
+    async def _change(
+        self, site: _Site, change: Callable[[SiteState], SiteState]
+    ) -> tuple[SiteState, SiteState]:
+        """Apply ``change`` to the shared state by compare-and-set; (before, after)."""
+        before = after = site.state
+        for i in range(CAS_TRIES):
+            before = await self._state(site, fresh=i > 0)
+            after = change(before)
+            if after == before:
+                return before, after
+            key = site_key(site.name)
+            if after.is_clear:
+                ok = await self.store.delete(key, revision=site.state_rev)
+                rev: int | None = site.state_rev if ok else None
+            else:
+                rev = await self.store.put(
+                    key,
+                    dict(after.to_json()),
+                    revision=site.state_rev,
+                    ttl_s=self._state_ttl_s(site.name),
+                )
+            if rev is not None:
+                site.state, site.state_rev = after, rev
+                site.state_at = asyncio.get_running_loop().time()
+                if after.is_clear:
+                    site.state_at = -1e9  # read the delete marker's revision next time
+                return before, after
+        return before, after
+
+    async def _take_probe(self, site: _Site) -> bool:
+        value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
+        rev = await self.store.put(
+            probe_key(site.name), value, revision=0, ttl_s=self.settings.probe_ttl_s
+        )
+        if rev is None:
+            current = await self.store.get(probe_key(site.name))
+            if current.value is None:
+                rev = await self.store.put(
+                    probe_key(site.name),
+                    value,
+                    revision=current.revision,
+                    ttl_s=self.settings.probe_ttl_s,
+                )
+        if rev is None:
+            return False
+        site.probe_rev = rev  # (a task that lost leaves the winner's revision alone)
+        return True
+
+    async def _drop_probe(self, site: _Site, probe: bool) -> None:
+        if probe and site.probe_rev is not None:
+            rev, site.probe_rev = site.probe_rev, None
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.delete(probe_key(site.name), revision=rev)
+
+    # ------------------------------------------------------------------ feedback
+
+    async def done(self, admission: Admission, attempt: Attempt | None) -> None:
+        """The attempt admitted by ``admission`` ended (``attempt`` None: it did not run).
+
+        Feeds back what came back: a throttle reply (:func:`jsqueue.limits.is_throttle`,
+        RFC 5321 §4.2.2 421) halves the site's sessions for ``throttle_hold_s``; a
+        connection-level failure counts towards ``dead_after`` and a site that reaches it
+        is down for ``cool_off_s`` (RFC 5321 §4.5.4.1; event ``site_down``); a session that
+        got an answer clears the count (event ``site_up`` when the site was down). Then
+        slots no session of this worker needs are released. Never raises.
+        """
+        if not admission.go:
+            return
+        site = self._site(admission.site)
+        self._free(site)
+        try:
+            if attempt is not None:
+                await self._feedback(site, attempt)
+        except StoreUnavailable as e:
+            log.warning("site %s: could not record feedback: %s", site.name, e)
+        finally:
+            await self._drop_probe(site, admission.probe)
+            await self._trim(site)
+
+    async def _feedback(self, site: _Site, attempt: Attempt) -> None:
+        s = self.settings
+        replies = list(attempt.replies.values())
+        now = self.clock()
+        if any(limits.is_throttle(r) for r in replies):
+            limit = s.sessions_of(site.name)
+            current = limits.allowed_sessions(site.state, limit, now, s.throttle_grow_s)
+            _, after = await self._change(
+                site, lambda st: limits.after_throttle(st, now, current, s.throttle_hold_s)
+            )
+            log.warning(
+                "site %s: throttled by the receiver; %d session(s) for %.0f s",
+                site.name,
+                after.throttle_limit or 1,
+                s.throttle_hold_s,
+            )
+            return
+        reached = attempt.reached is not None
+        if limits.is_connection_failure(replies, reached, attempt.host is not None):
+            before, after = await self._change(
+                site, lambda st: limits.after_failure(st, now, s.dead_after, s.cool_off_s)
+            )
+            was = limits.status(before, now, s.dead_after)
+            if (
+                limits.status(after, now, s.dead_after) is SiteStatus.DOWN
+                and was is not SiteStatus.DOWN
+            ):
+                self._event(EventKind.SITE_DOWN, site.name, after, replies[0] if replies else None)
+            return
+        if reached and (
+            site.state.failures or site.state.down_until is not None or self._worn(site)
+        ):
+            before, after = await self._change(site, lambda st: self._cleared(site.name, st))
+            if limits.status(before, now, s.dead_after) is not SiteStatus.UP:
+                self._event(EventKind.SITE_UP, site.name, after, None)
+
+    def _worn(self, site: _Site) -> bool:
+        s = self.settings
+        return limits.throttle_worn_off(
+            site.state, s.sessions_of(site.name), self.clock(), s.throttle_grow_s
+        )
+
+    def _cleared(self, site: str, state: SiteState) -> SiteState:
+        cleared = limits.after_success(state)
+        s = self.settings
+        if limits.throttle_worn_off(cleared, s.sessions_of(site), self.clock(), s.throttle_grow_s):
+            cleared = SiteState()
+        return cleared
+
+    def _event(self, kind: EventKind, site: str, state: SiteState, reply: Reply | None) -> None:
+        until = (
+            datetime.fromtimestamp(state.down_until, UTC) if state.down_until is not None else None
+        )
+        detail = f"site {site} " + (
+            f"down until {until.isoformat()} after {state.failures} connection failure(s)"
+            if kind is EventKind.SITE_DOWN and until is not None
+            else "answers again"
+        )
+        (log.warning if kind is EventKind.SITE_DOWN else log.info)("%s", detail)
+        self.observer.emit(
+            Event(
+                kind=kind,
+                site=site,
+                reply=reply,
+                source=f"worker:{self.owner}",
+                next_attempt_at=until,
+                detail=detail,
+            )
+        )
+
+    # ------------------------------------------------------------------ upkeep
+
+    async def _trim(self, site: _Site) -> None:
+        """Release slots no session of this worker needs (those at or over the allowed
+        limit first); wake a waiter when one is left over."""
+        needed = self._needed(site) + site.waiters
+        for n in sorted(site.slots)[needed:]:  # the lowest numbers are kept
+            rev = site.slots.pop(n, None)
+            if rev is None:  # another task of ours released it meanwhile
+                continue
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.delete(slot_key(site.name, n), revision=rev)
+        if site.waiters:
+            site.freed.set()
+
+    async def renew(self) -> None:
+        """Renew every slot held by compare-and-set (a lost one is dropped: it expired
+        under a stall longer than ``slot_ttl_s``) and release those no session needs.
+        Call every third of ``slot_ttl_s`` (:meth:`run` does)."""
+        for site in list(self._sites.values()):
+            for n, rev in list(site.slots.items()):
+                key = slot_key(site.name, n)
+                value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
+                try:
+                    new = await self.store.put(
+                        key, value, revision=rev, ttl_s=self.settings.slot_ttl_s
+                    )
+                except StoreUnavailable as e:
+                    log.warning("site %s: slot %d not renewed: %s", site.name, n, e)
+                    continue
+                if new is None:
+                    log.warning("site %s: slot %d was lost (expired); dropped", site.name, n)
+                    site.slots.pop(n, None)
+                else:
+                    site.slots[n] = new
+            await self._trim(site)
+            idle = asyncio.get_running_loop().time() - site.used_at > 60
+            if idle and not site.slots and not site.active and not site.waiters:
+                self._sites.pop(site.name, None)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Renew and trim slots until ``stop`` is set, then release every slot."""
+        interval = max(0.5, self.settings.slot_ttl_s / 3)
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+                await self.renew()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Release every slot and probe this worker holds. Idempotent; never raises."""
+        for site in list(self._sites.values()):
+            for n, rev in list(site.slots.items()):
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.delete(slot_key(site.name, n), revision=rev)
+            site.slots.clear()
+            await self._drop_probe(site, True)
+
+    def snapshot(self) -> list[SiteSnapshot]:
+        """What this worker holds and knows per site (for metrics)."""
+        s = self.settings
+        now = self.clock()
+        out = []
+        for site in self._sites.values():
+            limit = s.sessions_of(site.name)
+            out.append(
+                SiteSnapshot(
+                    site.name,
+                    len(site.slots),
+                    site.active,
+                    limit,
+                    limits.allowed_sessions(site.state, limit, now, s.throttle_grow_s),
+                    limits.status(site.state, now, s.dead_after),
+                    dict(site.deferred),
+                )
+            )
+        return out
+
+
+@dataclass
+class Gate:
+    """The admission one work item holds between :meth:`Destinations.admit` and
+    :meth:`Destinations.done` (None before, and after it was handed back)."""
+
+    admission: Admission | None = None
+
+
+async def put_back(
+    stores: Stores, due: Due, v: Versioned, admission: Admission, source: str
+) -> None:
+    """Put a work item that was not admitted back, without a delivery attempt: NAK with
+    the admission's delay. For a dead site (RFC 5321 §4.5.4.1) the open recipients of the
+    item's domain first get the ``451 4.4.1 … site down until …`` reply and the end of the
+    cool-off as their next attempt, by compare-and-set (a lost one is not retried: the
+    item is put back all the same, and the entry shows the reply at the next deferral).
+
+    Raises:
+        StoreUnavailable: the NAK failed (the item comes back after the ack wait).
+    """
+    item = due.item
+    if admission.reply is not None:
+        until = utcnow() + timedelta(seconds=admission.delay_s)
+        new = state.site_deferred(v.entry, item.domain, admission.reply, until)
+        if new is not None:
+            with contextlib.suppress(RevisionConflict, EntryTooLarge, StoreUnavailable):
+                await layout.update_entry(stores, new, v.revision)
+        log.info(
+            "queue=%s domain=%s outcome=deferred reply=%r next=%s (%s)",
+            item.queue_id,
+            item.domain,
+            str(admission.reply),
+            until.isoformat(),
+            source,
+            extra={
+                "queue_id": item.queue_id,
+                "domain": item.domain,
+                "outcome": "deferred",
+                "reply": str(admission.reply),
+                "next_attempt_at": until,
+                "site": admission.site,
+            },
+        )
+    else:
+        log.debug(
+            "queue %s %s: site %s %s; back in %.1f s",
+            item.queue_id,
+            item.domain,
+            admission.site,
+            admission.reason,
+            admission.delay_s,
+        )
+    await due.retry(admission.delay_s)

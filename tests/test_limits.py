@@ -1,0 +1,339 @@
+"""Destination limits: the pure arithmetic of :mod:`jsqueue.limits` (sites, GCRA, throttle
+feedback, dead sites per RFC 5321 §4.5.4.1, throttle replies per RFC 5321 §4.2.2 / §4.5.3.2)
+and :class:`jsqueue.destinations.Destinations` over the in-memory destinations store (the
+same compare-and-set and TTL semantics as the JetStream bucket; the real-process tests are
+in ``tests/test_destinations.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import pytest
+
+from jsqueue import limits
+from jsqueue.config import DestinationSettings, Settings, parse_rate
+from jsqueue.delivery.base import Attempt
+from jsqueue.destinations import FULL_MEMO_S, Destinations, site_down_reply
+from jsqueue.events import Event, EventKind
+from jsqueue.limits import SiteState, SiteStatus
+from jsqueue.names import key_token, site_of_key, slot_key, token_text
+from jsqueue.replies import R451_CONNECT_FAILED, Reply
+from jsqueue.store.base import Keyed, Stores
+from jsqueue.store.memory import MemoryDestinations
+
+# --------------------------------------------------------------------------- sites
+
+
+def test_site_is_the_domain_by_default() -> None:
+    assert limits.site_for("Example.COM", ["mx.example.com"], {}) == "example.com"
+
+
+def test_site_groups_domains_by_mx_host_pattern() -> None:
+    groups = {"google": ["*.google.com", "*.googlemail.com"], "ms": ["*.outlook.com"]}
+    assert limits.site_for("corp.test", ["aspmx.l.google.com."], groups) == "google"
+    assert limits.site_for("other.test", ["mx1.Outlook.com"], groups) == "ms"
+    assert limits.site_for("gmail.test", [], {"g": ["gmail.test"]}) == "g"  # the domain itself
+    assert limits.site_for("plain.test", ["mx.plain.test"], groups) == "plain.test"
+
+
+def test_site_names_are_kv_key_tokens_and_back() -> None:
+    for site in ("gmail.com", "a=b", "ümlaut.test", "[127.0.0.1]"):
+        token = key_token(site)
+        assert all(c.isalnum() or c in "-_=" for c in token)
+        assert token_text(token) == site
+        assert site_of_key(slot_key(site, 3)) == ("slot", site)
+
+
+# --------------------------------------------------------------------------- GCRA
+
+
+def test_gcra_allows_rate_per_interval_and_no_more() -> None:
+    """10 per second, burst 1: over any window of w seconds at most w/T + 1 pass."""
+    tat: float | None = None
+    allowed = []
+    for i in range(1000):  # every 10 ms for 10 s
+        now = 1000.0 + i * 0.01
+        step = limits.gcra(tat, now, 10, 1.0)
+        if step.allowed:
+            tat = step.tat_s
+            allowed.append(now)
+    assert 100 <= len(allowed) <= 101
+    gaps = [b - a for a, b in itertools.pairwise(allowed)]
+    assert min(gaps) >= 0.1 - 1e-6
+
+
+def test_gcra_burst_and_wait() -> None:
+    step = limits.gcra(None, 0.0, 60, 60.0, burst=3)
+    tat = step.tat_s
+    for _ in range(2):
+        step = limits.gcra(tat, 0.0, 60, 60.0, burst=3)
+        assert step.allowed
+        tat = step.tat_s
+    refused = limits.gcra(tat, 0.0, 60, 60.0, burst=3)
+    assert not refused.allowed and refused.wait_s == pytest.approx(1.0)
+    assert refused.tat_s == tat  # a refusal stores nothing new
+    assert limits.gcra(tat, 1.0, 60, 60.0, burst=3).allowed
+
+
+def test_gcra_refuses_nonsense() -> None:
+    with pytest.raises(ValueError):
+        limits.gcra(None, 0.0, 0, 1.0)
+
+
+def test_rates_parse() -> None:
+    assert parse_rate("100/m") == (100, 60.0)
+    assert parse_rate("30/10s") == (30, 10.0)
+    assert parse_rate(" 5 / s ") == (5, 1.0)
+    for bad in ("100", "0/m", "1/0s", "x/m", "5/d"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_rate_settings_are_checked_by_name() -> None:
+    with pytest.raises(ValueError, match="message_rate"):
+        Settings(destinations={"message_rate": "fast"})  # type: ignore[arg-type]
+    d = DestinationSettings(message_rate="off", site_message_rates={"a.test": "10/m"})
+    assert d.message_rate_of("b.test") is None and d.message_rate_of("a.test") == (10, 60.0)
+
+
+# --------------------------------------------------------------------------- dead sites
+
+
+def test_dead_site_after_threshold_and_cool_off() -> None:
+    """RFC 5321 §4.5.4.1: after ``dead_after`` consecutive connection failures the site is
+    down for the cool-off; then one probe; an answer clears it."""
+    st = SiteState()
+    for i in range(2):
+        st = limits.after_failure(st, 100.0 + i, threshold=3, cool_off_s=60)
+        assert limits.status(st, 101.0, 3) is SiteStatus.UP
+    st = limits.after_failure(st, 102.0, threshold=3, cool_off_s=60)
+    assert limits.status(st, 103.0, 3) is SiteStatus.DOWN and st.down_until == 162.0
+    assert limits.status(st, 162.0, 3) is SiteStatus.PROBE
+    again = limits.after_failure(st, 170.0, threshold=3, cool_off_s=60)  # the probe failed
+    assert limits.status(again, 171.0, 3) is SiteStatus.DOWN and again.down_until == 230.0
+    assert limits.after_success(again).is_clear
+
+
+def test_counting_failures_allows_one_session() -> None:
+    st = limits.after_failure(SiteState(), 0.0, threshold=5, cool_off_s=60)
+    assert limits.allowed_sessions(st, 20, 0.0, 10.0) == 1
+    assert limits.allowed_sessions(SiteState(), 20, 0.0, 10.0) == 20
+
+
+def test_throttle_halves_then_grows_back() -> None:
+    """RFC 5321 §4.2.2 / §4.5.3.2: a 421 closes the session; the site gets half the sessions
+    for the hold, then one more every ``grow_s``."""
+    st = limits.after_throttle(SiteState(), 0.0, current=20, hold_s=60.0)
+    assert limits.allowed_sessions(st, 20, 30.0, 10.0) == 10
+    assert limits.allowed_sessions(st, 20, 60.5, 10.0) == 11
+    assert limits.allowed_sessions(st, 20, 60.0 + 95, 10.0) == 20
+    assert limits.throttle_worn_off(st, 20, 60.0 + 95, 10.0)
+    assert not limits.throttle_worn_off(st, 20, 61.0, 10.0)
+    twice = limits.after_throttle(st, 1.0, current=10, hold_s=60.0)
+    assert limits.allowed_sessions(twice, 20, 2.0, 10.0) == 5
+
+
+def test_site_state_json_round_trip_and_garbage() -> None:
+    st = SiteState(failures=2, down_until=5.0, throttle_limit=3, throttled_until=9.0)
+    assert SiteState.from_json(st.to_json()) == st
+    assert SiteState.from_json("nonsense").is_clear
+    assert SiteState.from_json({"failures": True}).failures == 0
+
+
+def test_throttle_replies() -> None:
+    remote = "mx.example.test"
+    assert limits.is_throttle(Reply(code=421, enhanced="4.7.0", text="bye", remote_host=remote))
+    assert limits.is_throttle(
+        Reply(code=451, enhanced="4.7.1", text="Rate limited, slow down", remote_host=remote)
+    )
+    assert limits.is_throttle(Reply(code=450, text="Too many connections", remote_host=remote))
+    assert not limits.is_throttle(Reply(code=451, text="greylisted", remote_host=remote))
+    assert not limits.is_throttle(Reply(code=550, text="rate limit", remote_host=remote))
+    assert not limits.is_throttle(Reply(code=421, text="timeout"))  # our own, not the site's
+
+
+def test_connection_failure_classification() -> None:
+    temp, perm = R451_CONNECT_FAILED, Reply(code=554, text="go away", remote_host="mx")
+    assert limits.is_connection_failure([temp], reached=False, tried=True)
+    assert not limits.is_connection_failure([temp], reached=True, tried=True)
+    assert not limits.is_connection_failure([temp], reached=False, tried=False)  # DNS
+    assert not limits.is_connection_failure([perm], reached=False, tried=True)
+
+
+def test_site_down_reply_names_site_and_time() -> None:
+    from datetime import UTC, datetime
+
+    reply = site_down_reply("example.test", datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
+    assert (reply.code, reply.enhanced) == (451, "4.4.1")
+    assert "site example.test down until 2026-01-02T03:04:05Z" in reply.text
+
+
+# --------------------------------------------------------------------------- Destinations
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _dest(
+    store: MemoryDestinations, clock: _Clock, events: _Events | None = None, **kw: object
+) -> Destinations:
+    settings = DestinationSettings.model_validate(
+        {"sessions": 3, "slot_wait_s": 0, "state_refresh_s": 0.001, **kw}
+    )
+    return Destinations(
+        store,
+        settings,
+        owner=f"w{random.random()}",
+        observer=events or _Events(),
+        clock=clock,
+        rng=random.Random(1),
+    )
+
+
+FAILED = Attempt({"a@x.test": R451_CONNECT_FAILED}, host="mx.x.test")
+OK = Attempt({"a@x.test": Reply(code=250, text="ok", remote_host="mx")}, "mx", reached="mx")
+
+
+async def test_limit_holds_across_two_workers_sharing_the_store() -> None:
+    store, clock = MemoryDestinations(), _Clock()
+    a, b = _dest(store, clock), _dest(store, clock)
+    got = [await a.admit("x.test"), await b.admit("x.test"), await a.admit("x.test")]
+    assert all(g.go for g in got)
+    refused = await b.admit("x.test")
+    assert not refused.go and refused.reason == "full" and refused.delay_s > 0
+    assert len(await store.keys("slot.")) == 3
+    await a.done(got[0], OK)  # no idle session kept: the slot goes back
+    await asyncio.sleep(FULL_MEMO_S + 0.1)  # b remembers "full" that long (no scan)
+    assert (await b.admit("x.test")).go
+
+
+async def test_slot_of_a_dead_worker_expires_by_ttl() -> None:
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, sessions=1, slot_ttl_s=2)
+    assert (await a.admit("x.test")).go  # a is never heard of again
+    b = _dest(store, clock, sessions=1, slot_ttl_s=2)
+    assert not (await b.admit("x.test")).go
+    await asyncio.sleep(2.3)  # the memory store's TTL runs on the loop's clock
+    b._sites["x.test"].full_until = 0
+    assert (await b.admit("x.test")).go
+
+
+async def test_dead_site_defers_without_connecting_then_one_probe() -> None:
+    store, clock, events = MemoryDestinations(), _Clock(), _Events()
+    a = _dest(store, clock, events, dead_after=2, cool_off_s=60)
+    b = _dest(store, clock, dead_after=2, cool_off_s=60)
+    for _ in range(2):
+        adm = await a.admit("x.test")
+        assert adm.go
+        await a.done(adm, FAILED)
+    assert [e.kind for e in events.events] == [EventKind.SITE_DOWN]
+    down = await b.admit("x.test")
+    assert not down.go and down.reason == "down" and down.reply is not None
+    assert down.reply.enhanced == "4.4.1" and "down until" in down.reply.text
+    assert 60 <= down.delay_s <= 60 + 15
+    clock.now += 61
+    probe = await a.admit("x.test")
+    assert probe.go and probe.probe
+    waiting = await b.admit("x.test")
+    assert not waiting.go and waiting.reason == "probing"
+    await a.done(probe, OK)
+    assert [e.kind for e in events.events] == [EventKind.SITE_DOWN, EventKind.SITE_UP]
+    assert (await b.admit("x.test")).go
+
+
+async def test_throttle_reply_lowers_the_limit_for_everyone() -> None:
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, sessions=4)
+    b = _dest(store, clock, sessions=4)
+    adm = await a.admit("x.test")
+    throttled = Attempt(
+        {"a@x.test": Reply(code=421, enhanced="4.7.0", text="too many", remote_host="mx")},
+        "mx",
+    )
+    await a.done(adm, throttled)
+    assert [(await b.admit("x.test")).go for _ in range(3)] == [True, True, False]
+
+
+async def test_message_rate_is_shared() -> None:
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, sessions=10, message_rate="2/s")
+    b = _dest(store, clock, sessions=10, message_rate="2/s")
+    first = await a.admit("x.test")
+    assert first.go
+    second = await b.admit("x.test")
+    assert not second.go and second.reason == "rate"
+    clock.now += 0.5
+    assert (await b.admit("x.test")).go
+
+
+def test_metrics_name_the_top_sites_and_sum_the_rest() -> None:
+    """``jsqueue_destination_sessions{site}`` and friends with a bounded label set."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jsqueue.destination_metrics import DestinationCollector
+    from jsqueue.limits import SiteSnapshot
+
+    snaps = [
+        SiteSnapshot("a.test", 5, 5, 20, 20, SiteStatus.UP, {"full": 7}),
+        SiteSnapshot("b.test", 2, 1, 20, 10, SiteStatus.UP, {}),
+        SiteSnapshot("c.test", 0, 0, 20, 1, SiteStatus.DOWN, {"down": 30}),
+        SiteSnapshot("d.test", 1, 1, 20, 20, SiteStatus.UP, {"down": 2}),
+    ]
+    registry = CollectorRegistry()
+    registry.register(DestinationCollector(lambda: snaps, top=2))
+    text = generate_latest(registry).decode()
+    assert 'jsqueue_destination_sessions{site="a.test"} 5.0' in text
+    assert 'jsqueue_destination_sessions{site="b.test"} 2.0' in text
+    assert 'jsqueue_destination_sessions{site="other"} 1.0' in text
+    assert 'jsqueue_destination_down{site="other"} 1.0' in text
+    assert 'jsqueue_destination_deferrals_total{reason="down",site="other"} 32.0' in text
+    assert 'jsqueue_destination_allowed_sessions{site="b.test"} 10.0' in text
+    assert "c.test" not in text and "d.test" not in text
+
+
+async def test_destination_store_contract(stores: Stores) -> None:
+    """Both backends of the destinations bucket: create-if-absent, compare-and-set, delete
+    marker then create on it, TTL expiry, listing by prefix (real nats-server for
+    JetStream)."""
+    d = stores.destinations
+    assert d is not None
+    assert await d.get("slot.x.0") == Keyed(None, 0)
+    rev = await d.put("slot.x.0", {"owner": "a"}, revision=0, ttl_s=60)
+    assert rev is not None
+    assert await d.put("slot.x.0", {"owner": "b"}, revision=0, ttl_s=60) is None  # taken
+    assert (await d.get("slot.x.0")).value == {"owner": "a"}
+    renewed = await d.put("slot.x.0", {"owner": "a"}, revision=rev, ttl_s=60)
+    assert renewed is not None and renewed != rev
+    assert await d.put("slot.x.0", {"owner": "c"}, revision=rev, ttl_s=60) is None  # stale
+    assert not await d.delete("slot.x.0", revision=rev)
+    assert await d.delete("slot.x.0", revision=renewed)
+    marker = await d.get("slot.x.0")
+    assert marker.value is None
+    again = await d.put("slot.x.0", {"owner": "b"}, revision=marker.revision, ttl_s=60)
+    assert again is not None
+    assert await d.put("slot.y.0", {"owner": "z"}, revision=None, ttl_s=1) is not None
+    assert await d.keys("slot.") == ["slot.x.0", "slot.y.0"]
+
+    async def expired() -> bool:
+        return (await d.get("slot.y.0")).value is None
+
+    deadline = asyncio.get_running_loop().time() + 5
+    while not await expired():
+        assert asyncio.get_running_loop().time() < deadline, "TTL not honoured"
+        await asyncio.sleep(0.1)
+    assert await d.keys("slot.") == ["slot.x.0"]
