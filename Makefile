@@ -26,6 +26,10 @@ tools:
 	  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    swaks postfix >/dev/null; }
+	@test -x /usr/bin/chromium || { \
+	  echo "installing chromium (Debian package) for the dashboard's browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    chromium >/dev/null; }
 
 run: install
 	$(BIN)/jsqueue up

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import pytest
 import uvloop
 
-pytest_plugins = ["support.nats", "support.queue", "support.cluster", "support.api"]
+pytest_plugins = ["support.nats", "support.queue", "support.cluster", "support.api", "support.ui"]
 
 
 def pytest_asyncio_loop_factories(

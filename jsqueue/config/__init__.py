@@ -27,6 +27,7 @@ from jsqueue.config.sections import (
     WorkerSettings,
 )
 from jsqueue.config.settings import Settings, setting_paths
+from jsqueue.config.ui import UiSettings
 
 __all__ = [
     "CONFIG_ENV",
@@ -43,6 +44,7 @@ __all__ = [
     "SmarthostSettings",
     "SmtpSettings",
     "TlsPolicy",
+    "UiSettings",
     "WorkerSettings",
     "env_names",
     "load_settings",

@@ -32,6 +32,7 @@ from jsqueue.config.sections import (
     SmtpSettings,
     WorkerSettings,
 )
+from jsqueue.config.ui import UiSettings
 
 
 def _is_list(info: FieldInfo | None) -> bool:
@@ -63,6 +64,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    ui: UiSettings = Field(default_factory=UiSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @model_validator(mode="after")
