@@ -7,7 +7,14 @@ from collections.abc import Callable, Mapping
 import pytest
 import uvloop
 
-pytest_plugins = ["support.nats", "support.queue", "support.cluster", "support.api", "support.ui"]
+pytest_plugins = [
+    "support.nats",
+    "support.queue",
+    "support.cluster",
+    "support.api",
+    "support.api_process",
+    "support.ui",
+]
 
 
 def pytest_asyncio_loop_factories(

@@ -17,6 +17,17 @@ from jsqueue.views import Action
 #: A queue id (:func:`jsqueue.names.new_queue_id`): 26 lower-case Crockford base32 characters.
 QUEUE_ID_PATTERN = r"^[0-9a-hjkmnp-tv-z]{26}$"
 QueueId = Annotated[str, Field(pattern=QUEUE_ID_PATTERN, description="a queue id")]
+#: A destination domain in its A-label (LDH) form (RFC 5890): U-labels go as ``xn--``.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+DOMAIN_PATTERN = rf"^{_LABEL}(?:\.{_LABEL})*\.?$"
+Domain = Annotated[
+    str,
+    Field(
+        pattern=DOMAIN_PATTERN,
+        max_length=253,
+        description="a destination domain, A-label form (xn--... for U-labels)",
+    ),
+]
 
 
 class _Strict(BaseModel):
@@ -39,8 +50,8 @@ class ListQuery(_Strict):
     state: list[EntryState] | None = Field(
         None, description="only entries in these states (repeatable); default: not done"
     )
-    domain: str | None = Field(
-        None, max_length=255, description="only entries with an open recipient at this domain"
+    domain: Domain | None = Field(
+        None, description="only entries with an open recipient at this domain"
     )
     sender: str | None = Field(
         None,
@@ -57,7 +68,7 @@ class EntryFilterBody(_Strict):
     """Which entries a bulk action covers (as ``queue <action>`` filters). All must hold."""
 
     states: list[EntryState] | None = None
-    domain: str | None = Field(None, max_length=255)
+    domain: Domain | None = None
     sender: str | None = Field(None, max_length=256)
     min_age_s: float | None = Field(None, ge=0)
     max_age_s: float | None = Field(None, ge=0)
@@ -66,9 +77,7 @@ class EntryFilterBody(_Strict):
 class ActionBody(_Strict):
     """Options of an action on one entry (``POST /api/v1/queue/{queue_id}/{action}``)."""
 
-    domain: str | None = Field(
-        None, max_length=255, description="flush only: just this destination domain"
-    )
+    domain: Domain | None = Field(None, description="flush only: just this destination domain")
     break_lease: bool = Field(
         False,
         description="flush only: break live workers' leases too (the message may be sent "

@@ -113,7 +113,11 @@ def _operation(route: Route, defs: dict[str, Any]) -> dict[str, Any]:
     if route.stream is not None:
         responses[str(route.status)] = {
             "description": "a stream",
-            "content": {route.stream: {"schema": {"type": "string"}}},
+            "content": {
+                route.stream: {
+                    "schema": {"type": "object" if route.stream.endswith("json") else "string"}
+                }
+            },
         }
     elif route.response is not None:
         responses[str(route.status)] = {
