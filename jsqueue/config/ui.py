@@ -29,6 +29,12 @@ class UiSettings(_Section):
         description="minutes of delivery outcomes counted from the events stream",
     )
     page_size: int = Field(50, ge=1, le=1000, description="entries per page of the list")
+    search_budget_s: float = Field(
+        5.0,
+        gt=0,
+        description="longest time a filtered list page reads entries for its matches, "
+        "seconds (the page says when it was cut short; its next page goes on from there)",
+    )
     history_budget_s: float = Field(
         2.0,
         gt=0,

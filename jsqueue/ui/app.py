@@ -246,7 +246,7 @@ class Dashboard:
                     self.ctx.admin(request[SESSION_KEY][0]),
                     search,
                     self.ui.page_size,
-                    self.ui.history_budget_s,
+                    self.ui.search_budget_s,
                 )
             except ValidationError as e:
                 problem = "; ".join(str(x["msg"]) for x in e.errors(include_url=False))

@@ -27,6 +27,8 @@ from jsqueue.ui.charts import bar_chart, line_chart
 from jsqueue.ui.history import OUTCOMES, DepthHistory, OutcomeCounter
 from jsqueue.views import EntryDetail, EntrySummary
 
+#: Entries per store page of a filtered search (the first is smaller, see :func:`listing`).
+SEARCH_PAGE = 2000
 #: Events read at most for one message's history.
 HISTORY_EVENTS = 1000
 
@@ -146,8 +148,11 @@ class Listing:
 async def listing(admin: Admin, search: Search, limit: int, budget_s: float) -> Listing:
     """One page of entries matching ``search``.
 
-    Without a recipient: ``Admin.page``. With one: ``Admin.scan`` under the other filters,
-    keeping the entries with a matching forward-path, for at most ``budget_s`` seconds.
+    Without a filter: ``Admin.page`` (one key listing, about ``limit`` entry reads). With
+    one: ``Admin.scan`` under the filters of ``queue ls`` in store pages of
+    :data:`SEARCH_PAGE` (each store page costs a key listing, so fewer, larger ones),
+    keeping the entries whose forward-paths match ``recipient`` too, for at most
+    ``budget_s`` seconds; the listing says when it was cut short.
 
     Raises:
         pydantic.ValidationError: a bad state or domain.
@@ -155,16 +160,18 @@ async def listing(admin: Admin, search: Search, limit: int, budget_s: float) -> 
         StoreUnavailable: NATS failed.
     """
     flt = search.entry_filter()
-    if not search.recipient:
+    if flt.is_empty and not search.recipient:
         page = await admin.page(flt, after=search.after, limit=limit)
         return Listing(page.entries, page.next_after)
     needle = search.recipient.casefold()
     out: list[EntrySummary] = []
-    scan = admin.scan(flt, after=search.after, page_size=1000, first_page=limit)
+    scan = admin.scan(
+        flt, after=search.after, page_size=SEARCH_PAGE, first_page=max(limit, 100) * 5
+    )
     try:
         async with asyncio.timeout(budget_s), contextlib.aclosing(scan):
             async for v in scan:
-                if any(needle in r.address.casefold() for r in v.entry.recipients):
+                if not needle or any(needle in r.address.casefold() for r in v.entry.recipients):
                     out.append(EntrySummary.of(v.entry))
                     if len(out) >= limit:
                         return Listing(out, out[-1].id)
