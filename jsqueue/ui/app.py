@@ -132,11 +132,13 @@ class Dashboard:
             name="jsqueue-ui-outcomes",
         )
         yield
+        # a pass over a large queue takes long: cancel it rather than wait for its end
         stop.set()
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        await sampler
+        for task in (follower, sampler):
+            task.cancel()
+        for task in (follower, sampler):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def render(
         self, request: web.Request, template: str, status: int = 200, **values: Any
