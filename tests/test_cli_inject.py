@@ -72,6 +72,13 @@ async def test_inject_queues_durably_and_t_takes_recipients_without_bcc(
     code, out, err = await run("inject", "-t", "-v", "-oi", env=env, stdin=MESSAGE)
     assert code == 0, err
     second = out.strip()
+    dotted = b"Subject: dot\n\nline\n.\nafter the dot\n"
+    code, out, err = await run("inject", "-v", "bob@example.net", env=env, stdin=dotted)
+    assert code == 0, err
+    third = out.strip()
+    code, out, err = await run("inject", "-v", "-i", "bob@example.net", env=env, stdin=dotted)
+    assert code == 0, err
+    fourth = out.strip()
     stores = await open_jetstream(make_settings(prefix=names.prefix), [nats_server.url])
     try:
         one = (await stores.entries.get(first)).entry
@@ -92,6 +99,9 @@ async def test_inject_queues_durably_and_t_takes_recipients_without_bcc(
         body = await read_body(stores, second)
         assert b"Bcc" not in body and b"erin" not in body
         assert body.endswith(b"Cc: carol@example.net\r\nSubject: nightly\r\n\r\nall good\r\n")
+        # sendmail: a lone "." ends the message, unless -i
+        assert (await read_body(stores, third)).endswith(b"\r\nline\r\n")
+        assert (await read_body(stores, fourth)).endswith(b"\r\nline\r\n.\r\nafter the dot\r\n")
     finally:
         await stores.close()
 

@@ -29,11 +29,11 @@ class ApiSettings(_Section):
         gt=0,
         le=MAX_IDEMPOTENCY_WINDOW_S,
         description="an inject retried with the same Idempotency-Key within this window "
-        "gets the first queue id, seconds",
+        "gets the first queue id",
     )
     max_page: int = Field(1000, ge=1, le=10_000, description="largest page of a listing, entries")
     sse_keepalive_s: float = Field(
-        15.0, gt=0, description="comment line sent on a quiet events stream, seconds"
+        15.0, gt=0, description="comment line sent on a quiet events stream"
     )
     max_bulk: int = Field(
         100_000, ge=1, description="most entries one bulk action by filter may touch"

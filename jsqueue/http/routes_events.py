@@ -26,6 +26,14 @@ from jsqueue.http.routing import Call, Route
 
 #: Events buffered per client between the stream and the socket.
 CLIENT_BUFFER = 1000
+#: How often a quiet stream checks that its client is still there, seconds.
+GONE_CHECK_S = 1.0
+
+
+def _gone(request: web.Request) -> bool:
+    """The client closed the connection (or the server is closing it)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def sse_frame(event: Event) -> bytes:
@@ -77,17 +85,22 @@ def events_routes(ctx: ApiContext) -> list[Route]:
             await response.prepare(call.request)
             await response.write(b": following the events stream\n\n")
             keepalive = ctx.settings.api.sse_keepalive_s
-            while True:
+            loop = asyncio.get_running_loop()
+            quiet_since = loop.time()
+            while not _gone(call.request):
                 try:
-                    event = await asyncio.wait_for(queue.get(), keepalive)
+                    event = await asyncio.wait_for(queue.get(), min(keepalive, GONE_CHECK_S))
                 except TimeoutError:
                     if task.done():
                         break
-                    await response.write(b": keepalive\n\n")
+                    if loop.time() - quiet_since >= keepalive:
+                        await response.write(b": keepalive\n\n")
+                        quiet_since = loop.time()
                     continue
                 if event is None:
                     break
                 await response.write(sse_frame(event))
+                quiet_since = loop.time()
             if task.done() and not task.cancelled() and task.exception() is not None:
                 await response.write(b'event: error\ndata: {"error": "events stream failed"}\n\n')
             await response.write_eof()
