@@ -5,12 +5,19 @@ its cookie, roles, CSRF, the list's filters and the message page, against a real
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from jsqueue.envelope import EntryState
+from jsqueue.events import NULL_OBSERVER
+from jsqueue.http.auth import TokenFile
+from jsqueue.http.context import ApiContext
+from jsqueue.ui.app import Dashboard
 from jsqueue.ui.session import COOKIE, csrf_token
 from support.queue import eventually
 from support.ui import UiEnv
@@ -139,3 +146,40 @@ async def test_list_filters_and_paging(ui_env: UiEnv, client: aiohttp.ClientSess
 async def _state_is(env: UiEnv, qid: str, state: EntryState) -> bool:
     entry = await env.harness.entry(qid)
     return entry is not None and entry.state is state
+
+
+async def test_destinations_only_with_a_hook(
+    ui_env: UiEnv, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    await login(ui_env, client, "read")
+    status, html = await get(client, ui_env.url + "/ui/destinations")
+    assert status == 404 and "/ui/destinations" not in (await get(client, ui_env.url + "/ui/"))[1]
+
+    async def destinations() -> list[Mapping[str, Any]]:
+        return [{"destination": "slow.example.test", "limit": 5, "state": "up"}]
+
+    h = ui_env.harness
+    ctx = ApiContext(
+        h.settings,
+        h.stores,
+        list(h.settings.nats.urls),
+        NULL_OBSERVER,
+        TokenFile(tmp_path / "tokens"),
+    )
+    app = web.Application()
+    Dashboard(ctx, destinations).mount(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        base = f"http://{host}:{port}"
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as other:
+            async with other.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
+                assert r.status == 200
+                assert 'href="/ui/destinations"' in await r.text()
+            status, html = await get(other, base + "/ui/destinations")
+            assert status == 200 and "slow.example.test" in html and "<td>up</td>" in html
+    finally:
+        await runner.cleanup()
