@@ -2,11 +2,13 @@
 no entry at all:
 
 * :class:`DepthHistory` - queue depth by state and by destination domain, the oldest
-  entry: a background task takes a sample with :meth:`jsqueue.admin.Admin.stats` (one
-  pass over the entries, as ``queue stats``) at most every ``ui.sample_interval_s`` and
-  never sooner than ten times the last pass took (so the passes cost at most a tenth of
-  one process's time, whatever the queue's size), and keeps the last
-  ``ui.history_samples`` samples in a ring;
+  entry: a background task takes a sample with one pass over the entries through
+  :meth:`jsqueue.admin.Admin.scan` (the entries ``queue stats`` counts, counted the same
+  way) at most every ``ui.sample_interval_s`` and never sooner than ten times the last
+  pass worked (so the passes cost at most a tenth of one process's time, whatever the
+  queue's size); a pass pauses as long as it worked after every 50 ms of work, so the
+  pages the process serves meanwhile stay quick. The last ``ui.history_samples`` samples
+  are kept in a ring;
 * :class:`OutcomeCounter` - recipient outcomes (delivered, deferred, bounced, expired)
   per minute, cluster-wide: a background task follows the events stream
   (:func:`jsqueue.events.tail`, from ``ui.outcome_minutes`` back at start) and counts
@@ -27,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from jsqueue.admin import Admin
+from jsqueue.admin import OPEN_STATES, Admin, EntryFilter
 from jsqueue.config import NatsSettings
-from jsqueue.envelope import EntryState, utcnow
+from jsqueue.envelope import EntryState, RecipientState, utcnow
 from jsqueue.errors import JsqueueError
 from jsqueue.events import Event, EventKind, tail
 from jsqueue.names import Names
@@ -42,6 +44,8 @@ COST_FACTOR = 10.0
 TOP_DOMAINS = 10
 #: Pause after a failed pass or a lost events connection, seconds.
 RETRY_PAUSE_S = 5.0
+#: Work of a depth pass between two pauses of the same length, seconds.
+SLICE_S = 0.05
 #: The recipient outcomes counted per minute, in the order the overview shows them.
 OUTCOMES = (EventKind.DELIVERED, EventKind.DEFERRED, EventKind.BOUNCED, EventKind.EXPIRED)
 
@@ -60,7 +64,8 @@ class Sample:
         oldest_id: the oldest queued message, or None.
         oldest_age_s: its age at ``at``, seconds.
         backlog: work items not settled, None if unknown.
-        took_s: how long the pass took, seconds.
+        took_s: how long the pass worked, seconds (its pauses left out).
+        wall_s: how long the pass took from start to end, seconds.
     """
 
     at: datetime
@@ -73,6 +78,7 @@ class Sample:
     oldest_age_s: float | None
     backlog: int | None
     took_s: float
+    wall_s: float
 
 
 class DepthHistory:
@@ -97,24 +103,60 @@ class DepthHistory:
         return self.samples[-1] if self.samples else None
 
     async def sample(self) -> Sample:
-        """Take one sample now and keep it.
+        """Take one sample now and keep it: one pass over every entry in arrival order
+        (``Admin.scan``, the entries ``queue stats`` counts), yielding the event loop for
+        as long as it worked after every :data:`SLICE_S` of work, so pages served by the
+        same process meanwhile wait at most about a slice (the pass takes about twice its
+        work time; its cost bound counts the work only).
 
         Raises:
             StoreUnavailable: reading the entries failed.
         """
-        stats = await self.admin.stats()
-        top = list(stats.by_domain.items())[:TOP_DOMAINS]
+        loop = asyncio.get_running_loop()
+        busy = 0.0
+        started = slice_start = loop.time()
+        by_state: dict[EntryState, int] = {}
+        by_domain: dict[str, list[int]] = {}
+        oldest: tuple[datetime, str] | None = None
+        entries = 0
+        # store pages of SCAN_PAGE (10 000): each store page lists every key again
+        scan = self.admin.scan(EntryFilter(states=OPEN_STATES))
+        async with contextlib.aclosing(scan):
+            async for v in scan:
+                e = v.entry
+                entries += 1
+                by_state[e.state] = by_state.get(e.state, 0) + 1
+                if oldest is None or (e.created_at, e.id) < oldest:
+                    oldest = (e.created_at, e.id)
+                for r in e.recipients:
+                    if not r.state.is_final:
+                        counts = by_domain.setdefault(r.domain, [0, 0])
+                        counts[0] += 1
+                        counts[1] += r.state is RecipientState.DEFERRED
+                worked = loop.time() - slice_start
+                if worked >= SLICE_S:
+                    busy += worked
+                    await asyncio.sleep(worked)
+                    slice_start = loop.time()
+        busy += loop.time() - slice_start
+        try:
+            backlog: int | None = await self.admin.stores.scheduler.backlog()
+        except JsqueueError:
+            backlog = None
+        now = utcnow()
+        top = sorted(by_domain.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP_DOMAINS]
         s = Sample(
-            at=utcnow(),
-            entries=stats.entries,
-            by_state=dict(stats.by_state),
-            by_domain={d: v.recipients for d, v in top},
-            deferred_by_domain={d: v.deferred for d, v in top},
-            domains=len(stats.by_domain),
-            oldest_id=stats.oldest_id,
-            oldest_age_s=stats.oldest_age_s,
-            backlog=stats.backlog,
-            took_s=stats.took_s,
+            at=now,
+            entries=entries,
+            by_state=by_state,
+            by_domain={d: c[0] for d, c in top},
+            deferred_by_domain={d: c[1] for d, c in top},
+            domains=len(by_domain),
+            oldest_id=oldest[1] if oldest else None,
+            oldest_age_s=(now - oldest[0]).total_seconds() if oldest else None,
+            backlog=backlog,
+            took_s=busy,
+            wall_s=loop.time() - started,
         )
         self.samples.append(s)
         self.last_error = None
