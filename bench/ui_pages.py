@@ -160,8 +160,8 @@ async def _run(tmp: Path, url: str, entries: int, rounds: int) -> None:
         f"{ {k.value: v for k, v in latest.by_state.items()} })"
     )
     print(
-        f"sampling pass (Admin.stats)   {latest.took_s:.2f} s; first sample ready after "
-        f"{first_sample:.2f} s"
+        f"sampling pass                 worked {latest.took_s:.2f} s, took {latest.wall_s:.2f} s "
+        f"with its pauses; first sample ready after {first_sample:.2f} s"
     )
     print(f"rounds                        {rounds}, alternating")
     for title, table in (("idle", times), ("during a sampling pass", busy)):
