@@ -64,6 +64,10 @@ async def api_harness(
         yield h, ApiEnv(url, tokens, settings, h.stores, session)
 
 
+async def _gone(h: Harness, queue_id: str) -> bool:
+    return await h.entry(queue_id) is None
+
+
 def body(**extra: object) -> dict[str, object]:
     out: dict[str, object] = {
         "reverse_path": "app@example.test",
@@ -87,12 +91,24 @@ async def test_injected_message_is_delivered_byte_exact(
 ) -> None:
     h, api = api_harness
     h.dns.add(ZONE)
+    key = {"Idempotency-Key": "welcome-mail/42"}
     async with ScriptedMx("127.0.2.80", h.mx_port, extensions=["8BITMIME", "DSN"]) as mx:
-        status, result = await api.call("POST", "/api/v1/inject", role="inject", json=body())
+        status, result = await api.call(
+            "POST", "/api/v1/inject", role="inject", json=body(), headers=key
+        )
         assert status == 202, result
         queue_id = result["queue_id"]
         async with h.running():
             await eventually(lambda: len(mx.delivered) == 1, what="delivery")
+            await eventually(lambda: _gone(h, queue_id), what="entry removed")
+            # a retry after the message was delivered and removed: the same id, no mail
+            status, again = await api.call(
+                "POST", "/api/v1/inject", role="inject", json=body(), headers=key
+            )
+            assert status == 202 and again == {**result, "duplicate": True}
+            # (a new copy would have a new queue id; this one's entry stays gone)
+            assert await h.entry(queue_id) is None
+    assert len(mx.delivered) == 1
     tx = mx.delivered[0]
     assert tx.mail_from == "app@example.test"
     assert tx.rcpt_to == ["bob@dest.example.test"]
@@ -246,3 +262,29 @@ async def test_events_as_server_sent_events(api_harness: tuple[Harness, ApiEnv])
         while frame.startswith(b":"):
             frame = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
         assert b"event: released" in frame
+
+
+async def test_one_key_across_two_api_processes(
+    api_harness: tuple[Harness, ApiEnv], nats_server: EmbeddedNats
+) -> None:
+    """Two API endpoints on their own NATS connections (as two pods): retries with one key
+    racing through both meet at the ingest log's claim and store one message."""
+    from jsqueue.store.jetstream import open_jetstream
+
+    _, api = api_harness
+    other_stores = await open_jetstream(api.settings.nats, [nats_server.url])
+    try:
+        async with serve_api(api.settings, other_stores) as other_url:
+            key = {"Idempotency-Key": "two-pods", **api.auth("inject")}
+            urls = [api.url, other_url] * 4
+            results = await asyncio.gather(
+                *(api.session.post(u + "/api/v1/inject", json=body(), headers=key) for u in urls)
+            )
+            answers = [(r.status, await r.json()) for r in results]
+    finally:
+        await other_stores.close()
+    assert {s for s, _ in answers} == {202}, answers
+    assert len({a["queue_id"] for _, a in answers}) == 1
+    assert sum(not a["duplicate"] for _, a in answers) == 1
+    status, page = await api.call("GET", "/api/v1/queue", role="read")
+    assert status == 200 and len(page["entries"]) == 1

@@ -103,8 +103,9 @@ def new_token() -> str:
 
 
 def token_digest(token: str) -> str:
-    """SHA-256 of the token's UTF-8 octets, 64 lower-case hex digits."""
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+    """SHA-256 of the token's UTF-8 octets, 64 lower-case hex digits (never raises: a lone
+    surrogate is hashed as its code unit, and matches no minted token)."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def token_line(name: str, role: Role, token: str) -> str:

@@ -248,6 +248,4 @@ class Injector:
             eight_bit=not (tx.data.isascii() and received.isascii()),
         )
         stored = await ingest.commit(upload, mail)
-        return InjectResult(
-            queue_id=stored, recipients=len(tx.recipients), size=len(received) + len(tx.data)
-        )
+        return InjectResult(queue_id=stored, recipients=len(tx.recipients), size=len(tx.data))

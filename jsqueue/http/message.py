@@ -93,7 +93,11 @@ def _addresses(values: list[str], what: str) -> list[str]:
         RequestRejected: an entry without an address.
     """
     out = []
-    for _name, addr in email.utils.getaddresses(values):
+    try:
+        pairs = email.utils.getaddresses(values)
+    except (ValueError, TypeError, AttributeError, IndexError) as e:
+        raise RequestRejected(f"{what}: not an address list") from e
+    for _name, addr in pairs:
         if not addr:
             raise RequestRejected(f"{what}: an entry has no address")
         out.append(addr)
@@ -109,7 +113,7 @@ def _recipient(spec: RecipientSpec, smtputf8: bool) -> Recipient:
             raise RequestRejected("orcpt must be 'addr-type;address' (RFC 3461 §4.2)")
         try:
             orcpt = parse_orcpt(f"{kind};{xtext_encode(addr)}", smtputf8=smtputf8)
-        except SyntaxProblem as e:
+        except (SyntaxProblem, UnicodeError) as e:
             raise RequestRejected(f"orcpt of {address}: {e}") from e
     notify = frozenset(spec.notify) if spec.notify is not None else None
     if notify is not None and (not notify or ("NEVER" in notify and len(notify) > 1)):
@@ -161,8 +165,10 @@ def build_message(msg: BuiltMessage, hostname: str) -> bytes:
         return crlf(m.as_bytes(policy=policy))
     except RequestRejected:
         raise
-    except (ValueError, TypeError, LookupError) as e:  # the email package's refusals
-        raise RequestRejected(f"message: {e}") from e
+    # The email package's refusals; its header parser also fails with AttributeError or
+    # IndexError on some malformed address lists.
+    except (ValueError, TypeError, LookupError, AttributeError, IndexError) as e:
+        raise RequestRejected(f"message: {e!r}"[:300]) from e
 
 
 def transaction(
@@ -190,12 +196,15 @@ def transaction(
                 raise RequestRejected("from must hold one address, or give reverse_path")
             reverse = found[0]
         specs = body.recipients or [
-            RecipientSpec(address=a)
+            RecipientSpec.model_construct(address=a, notify=None, orcpt=None)
             for a in _addresses([*body.message.to, *body.message.cc, *body.message.bcc], "to")
         ]
     else:
         if body.raw is not None:
-            raw = body.raw.encode("utf-8", "surrogateescape")
+            try:
+                raw = body.raw.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestRejected("raw is not valid Unicode text (a lone surrogate)") from e
         else:
             try:
                 raw = base64.b64decode(body.raw_base64 or "", validate=True)
@@ -213,7 +222,7 @@ def transaction(
     if body.envid is not None:
         try:
             envid = parse_envid(xtext_encode(body.envid))
-        except SyntaxProblem as e:
+        except (SyntaxProblem, UnicodeError) as e:
             raise RequestRejected(f"envid: {e}") from e
     return Transaction(
         envelope.reverse_path, envelope.recipients, data, envelope.smtputf8, envid, body.ret

@@ -195,7 +195,7 @@ class InjectResult(BaseModel):
 
     queue_id: str
     recipients: int = Field(description="envelope recipients queued")
-    size: int = Field(description="stored message size with the trace header, octets")
+    size: int = Field(description="the message's size as given (CRLF line ends), octets")
     duplicate: bool = Field(
         False, description="an earlier request with this Idempotency-Key stored it"
     )

@@ -27,12 +27,17 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
         if key is not None and not IDEMPOTENCY_KEY_RE.match(key):
             raise RequestRejected(f"{IDEMPOTENCY_HEADER}: 1-255 visible ASCII characters")
         smtp = ctx.settings.smtp
-        tx = transaction(
-            call.body,
-            hostname=smtp.hostname,
-            max_size=smtp.max_message_size,
-            max_recipients=smtp.max_recipients,
-        )
+        try:
+            tx = transaction(
+                call.body,
+                hostname=smtp.hostname,
+                max_size=smtp.max_message_size,
+                max_recipients=smtp.max_recipients,
+            )
+        except RequestRejected:
+            raise
+        except ValueError as e:  # a parser's refusal not worded as a RequestRejected
+            raise RequestRejected(f"invalid message or envelope: {e}"[:300]) from e
         peer = call.request.remote or "127.0.0.1"
         try:
             who = Submitter.of(call.token, peer)

@@ -1,6 +1,9 @@
 """The API's route table and its request pipeline on aiohttp: authenticate the bearer token,
 check the role, validate query and body with the route's pydantic models, call the
 handler, render its model as JSON; every error is an :class:`~jsqueue.http.models.ErrorBody`.
+JSON bodies are validated in pydantic's strict mode (``false`` is no number, ``"1"`` no
+integer), as the document's JSON Schema says; query values arrive as text and are
+converted.
 
 One :class:`Route` per operation is the single description of the API: aiohttp serves it,
 and :mod:`jsqueue.http.openapi` turns the same table into the OpenAPI 3.1 document, so the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,7 +208,7 @@ def _serve(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse
             if route.body is not None:
                 raw = await request.read()
                 if raw.strip():
-                    body = route.body.model_validate_json(raw)
+                    body = route.body.model_validate_json(raw, strict=True)
                 elif route.body_required:
                     return error_response(422, "invalid request", "a JSON body is required")
         except ValidationError as e:
@@ -239,8 +243,6 @@ def _check_path(name: str, value: str, schema: Mapping[str, Any]) -> None:
     Raises:
         _PathProblem: it does not match.
     """
-    import re
-
     pattern = schema.get("pattern")
     if pattern is not None and not re.match(pattern, value):
         raise _PathProblem(f"path parameter {name}: {value[:40]!r} does not match {pattern}")

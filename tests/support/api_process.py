@@ -80,6 +80,28 @@ def jsqueue_env(nats_url: str, prefix: str, tokens_file: Path, **extra: str) -> 
     return env
 
 
+def seed(api: ApiProcess, count: int = 5) -> None:
+    """Queue ``count`` messages over the API, so listings and actions meet real entries
+    (no worker runs in ``jsqueue smtp``: they stay queued until an action removes them)."""
+    import base64
+
+    import requests
+
+    raw = base64.b64encode(b"Subject: seed\r\n\r\nbody\r\n").decode()
+    for i in range(count):
+        r = requests.post(
+            api.url + "/api/v1/inject",
+            headers=api.auth("inject"),
+            json={
+                "reverse_path": "seed@example.test",
+                "recipients": [{"address": f"r{i}@dest{i % 2}.example.test"}],
+                "raw_base64": raw,
+            },
+            timeout=30,
+        )
+        assert r.status_code == 202, r.text
+
+
 @pytest.fixture(scope="module")
 def api_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
     """``jsqueue smtp`` with the API on a nats-server of its own."""
@@ -92,7 +114,9 @@ def api_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess
         log = tmp / "jsqueue.log"
         proc, url = start_jsqueue(["smtp"], jsqueue_env(nats.url, prefix, tmp / "tokens"), log)
         try:
-            yield ApiProcess(url, tokens, nats.url, prefix, log)
+            api = ApiProcess(url, tokens, nats.url, prefix, log)
+            seed(api)
+            yield api
         finally:
             proc.terminate()
             try:
