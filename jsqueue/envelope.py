@@ -145,6 +145,9 @@ class Entry(BaseModel):
     metadata only. None means the body is in the body store under the entry's id. It is
     never part of the JSON (nor of admin output or events); :meth:`to_json` appends it
     after the JSON line.
+
+    ``dkim`` is what the last attempt did about DKIM (RFC 6376) for the bytes it sent
+    (``d=… s=… a=…``, ``unsigned: <why>``; :attr:`jsqueue.delivery.base.DeliveryResult.dkim`).
     """
 
     id: str
@@ -164,6 +167,7 @@ class Entry(BaseModel):
     last_error: str | None = None
     leases: dict[str, Lease] = Field(default_factory=dict)
     is_dsn: bool = False
+    dkim: str | None = None
     inline_body: bytes | None = Field(None, exclude=True, repr=False)
 
     @property

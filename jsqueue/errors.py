@@ -17,6 +17,8 @@
     │   └── BodyCorrupt             the stored body does not match its SHA-256 digest
     ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
     ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
+    ├── PolicyError                 a published TLS policy or report could not be had or sent
+    ├── SigningError                a message could not be DKIM-signed (it goes unsigned)
     ├── RequestRejected             the HTTP API refuses a request (carries the HTTP status)
     └── DeliveryError               one delivery attempt failed
         ├── TemporaryDeliveryError  retry later (4xx, timeouts, DNS SERVFAIL ...)
@@ -94,6 +96,25 @@ class ProvisioningError(JsqueueError):
 
 class LockLost(JsqueueError):
     """The reconciler lock was lost (or could not be renewed) during a pass."""
+
+
+class PolicyError(JsqueueError):
+    """A published TLS policy could not be had (MTA-STS fetch, DNS) or is invalid, or a TLS
+    report could not be sent (RFC 8461, RFC 8460).
+
+    Attributes:
+        result_type: the RFC 8460 §4.3 result type that names the failure (e.g.
+            ``sts-policy-fetch-error``, ``sts-policy-invalid``, ``sts-webpki-invalid``).
+    """
+
+    def __init__(self, message: str, result_type: str = "validation-failure") -> None:
+        super().__init__(message)
+        self.result_type = result_type
+
+
+class SigningError(JsqueueError):
+    """dkimpy could not sign a message (e.g. a header section it cannot parse, RFC 6376
+    §5); the attempt sends it unsigned and says why."""
 
 
 class RequestRejected(JsqueueError, ValueError):

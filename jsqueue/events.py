@@ -112,6 +112,8 @@ class Event(BaseModel):
             usable reply came back (connection lost, timeout; RFC 5321 §4.5.3.2.6, §6.1):
             the recipient is retried, yet the next hop may have the message already, so it
             may be delivered twice. None otherwise.
+        dkim: attempt outcomes only: the DKIM signing of the message sent (``d=… s=…
+            a=…`` per signature, ``unsigned: <why>``; RFC 6376), None when no key applied.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -134,6 +136,7 @@ class Event(BaseModel):
     source: str | None = None
     detail: str | None = None
     uncertain: bool | None = None
+    dkim: str | None = None
 
     def to_json(self) -> bytes:
         """UTF-8 JSON without null fields (the published payload)."""
@@ -174,12 +177,13 @@ def recipient_event(
     detail: str | None = None,
     reply: Reply | None = None,
     uncertain: bool | None = None,
+    dkim: str | None = None,
 ) -> Event:
     """A recipient-level event (delivered, deferred, bounced, expired) from the stored
     recipient: its state, reply, attempts and next attempt after the change. ``reply``
     replaces the stored reply (which an entry keeps bounded, :meth:`Reply.bounded`) by the
     whole one the attempt got; ``uncertain`` marks an outcome after a final ``.`` whose
-    reply never came (see :attr:`Event.uncertain`)."""
+    reply never came (see :attr:`Event.uncertain`); ``dkim`` is the attempt's signing."""
     return Event(
         kind=kind,
         at=at or utcnow(),
@@ -195,6 +199,7 @@ def recipient_event(
         source=source,
         detail=detail,
         uncertain=uncertain,
+        dkim=dkim,
     )
 
 
@@ -550,12 +555,14 @@ def attempt_events(
     duration_s: float | None,
     replies: Mapping[str, Reply] | None = None,
     uncertain: Collection[str] = (),
+    dkim: str | None = None,
 ) -> list[Event]:
     """The events of one recorded delivery attempt, one per recipient (worker helper).
 
     ``replies`` are the attempt's replies by address, whole: an event carries them instead
     of the bounded ones the entry keeps (:meth:`Reply.bounded`). The events of the
-    addresses in ``uncertain`` carry ``uncertain=True`` (RFC 5321 §6.1).
+    addresses in ``uncertain`` carry ``uncertain=True`` (RFC 5321 §6.1); each carries
+    ``dkim``, the attempt's DKIM signing.
     """
     whole = replies or {}
     return [
@@ -568,6 +575,7 @@ def attempt_events(
             duration_s=duration_s,
             reply=whole.get(r.address),
             uncertain=True if r.address in uncertain else None,
+            dkim=dkim,
         )
         for kind, rcpts in groups
         for r in rcpts

@@ -147,6 +147,14 @@ class Metrics:
             "delivered already; may be delivered twice).",
             registry=r,
         )
+        self.tls = Counter(
+            "jsqueue_delivery_tls",
+            "Recipient delivery attempts by the outbound TLS policy that applied (dane, "
+            "mta-sts enforce, mta-sts testing, opportunistic, manual) and its result "
+            "(success, none, or an RFC 8460 result type), and whether TLS was used.",
+            ["policy", "result", "tls"],
+            registry=r,
+        )
         self.state_changes = Counter(
             "jsqueue_state_changes",
             "Events emitted by this process, by kind.",
@@ -203,6 +211,9 @@ class Metrics:
             self.duration.labels(event.kind.value).observe(max(0.0, event.duration_s))
             if event.uncertain:
                 self.uncertain.inc()
+            note = event.reply.tls if event.reply is not None else None
+            if note is not None:
+                self.tls.labels(note.policy, note.result, "yes" if note.tls else "no").inc()
 
     def set_depth(self, counts: dict[EntryState, int], took_s: float) -> None:
         """Record a depth scan: entries per state (missing states are 0)."""

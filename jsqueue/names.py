@@ -252,6 +252,16 @@ class Names:
         return kv_stream(self.presence_bucket)
 
     @property
+    def policies_bucket(self) -> str:
+        """KV bucket of cached MTA-STS policies (``<prefix>-tls-policies``), key = domain."""
+        return f"{self.prefix}-tls-policies"
+
+    @property
+    def policies_stream(self) -> str:
+        """Stream behind the policies bucket (``KV_<prefix>-tls-policies``)."""
+        return kv_stream(self.policies_bucket)
+
+    @property
     def locks_bucket(self) -> str:
         """KV bucket of cluster-wide locks (``<prefix>-locks``), key = lock name."""
         return f"{self.prefix}-locks"

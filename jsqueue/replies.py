@@ -6,7 +6,15 @@ matches the basic code's first digit (``tests/test_replies.py`` checks both); wi
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 #: Octets of reply text a queue entry keeps per recipient (:meth:`Reply.bounded`). Replies
 #: are recorded in the entry of every recipient they answer, and the entry store takes
@@ -16,6 +24,57 @@ from pydantic import BaseModel, ConfigDict, Field
 STORED_REPLY_OCTETS = 512
 #: Appended to a reply text cut by :meth:`Reply.bounded`.
 CUT_MARKER = " [...]"
+
+
+class TlsNote(BaseModel):
+    """Which outbound TLS policy applied to the session a reply came from, and why TLS was
+    or was not used (RFC 8461, RFC 7672, RFC 7435).
+
+    ``policy`` is ``dane``, ``mta-sts enforce``, ``mta-sts testing``, ``opportunistic`` or
+    ``manual`` (``worker.tls_policies``); ``result`` is ``success`` or an RFC 8460 §4.3
+    result type (``certificate-host-mismatch``, ``validation-failure``, ``dnssec-invalid``
+    ...), or ``none`` where no policy asked anything; ``detail`` says why in words.
+    ``policy_id`` is the MTA-STS policy id, ``mx`` the MX host name of the session;
+    ``earlier`` the notes of the sessions of the same attempt that failed before this one
+    (other MXes, a failed handshake before a plaintext retry), for TLS reports.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    policy: str
+    result: str = "none"
+    detail: str = ""
+    tls: bool = False
+    mx: str | None = None
+    policy_id: str | None = None
+    earlier: tuple[TlsNote, ...] = ()
+
+    def bounded(self, max_octets: int) -> TlsNote:
+        """This note as a queue entry keeps it: ``detail`` cut to an eighth of
+        ``max_octets`` (characters), ``earlier`` and ``mx`` (the reply's remote host)
+        dropped; the attempt's event and log line keep the whole note. Pure and
+        idempotent."""
+        keep = max(0, max_octets // 8)
+        if len(self.detail) <= keep and not self.earlier and self.mx is None:
+            return self
+        return self.model_copy(update={"detail": self.detail[:keep], "earlier": (), "mx": None})
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Fields at their default are left out of the JSON (entries keep one per reply)."""
+        data: dict[str, Any] = handler(self)
+        defaults = {"result": "none", "detail": "", "tls": False, "mx": None}
+        for key, value in defaults.items():
+            if key in data and data[key] == value:
+                del data[key]
+        for key in ("policy_id", "earlier"):
+            if not data.get(key):
+                data.pop(key, None)
+        return data
+
+    def __str__(self) -> str:
+        used = "TLS" if self.tls else "no TLS"
+        return f"{self.policy}: {used}; {self.detail}" if self.detail else f"{self.policy}: {used}"
 
 
 class Reply(BaseModel):
@@ -32,6 +91,8 @@ class Reply(BaseModel):
     enhanced: str | None = None
     text: str = ""
     remote_host: str | None = None
+    #: the TLS policy of the session that gave (or caused) the reply; None when none ran
+    tls: TlsNote | None = None
 
     @property
     def is_permanent(self) -> bool:
@@ -64,12 +125,13 @@ class Reply(BaseModel):
         Returns:
             ``self`` when its text fits, else a copy with the cut text.
         """
+        note = self.tls.bounded(max_octets) if self.tls is not None else None
         data = self.text.encode("utf-8")
         if len(data) <= max_octets:
-            return self
+            return self if note is self.tls else self.model_copy(update={"tls": note})
         head = data[: max(0, max_octets - len(CUT_MARKER))].decode("utf-8", "ignore").rstrip()
         text = head + CUT_MARKER if head else CUT_MARKER.strip()
-        return self.model_copy(update={"text": text})
+        return self.model_copy(update={"text": text, "tls": note})
 
     def __str__(self) -> str:
         lines = self.text.split("\n") if self.text else [""]

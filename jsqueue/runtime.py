@@ -16,6 +16,9 @@ from dataclasses import replace
 from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
+from jsqueue.delivery.dkim import load_keys
+from jsqueue.delivery.policy.decision import PolicyEngine
+from jsqueue.delivery.policy.reporting import TlsReporter, report_loop
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
 from jsqueue.dsn.notifier import DsnNotifier
 from jsqueue.errors import JsqueueError
@@ -106,7 +109,11 @@ def build_worker(
     policy = RetryPolicy.from_settings(settings.retry)
     return Worker(
         cached,
-        SmtpDeliverer(resolver or resolver_from_settings(settings.worker), settings.worker),
+        SmtpDeliverer(
+            resolver or resolver_from_settings(settings.worker),
+            settings.worker,
+            PolicyEngine(settings.outbound_tls, settings.worker, stores.policies),
+        ),
         DsnNotifier(cached, settings.dsn, policy),
         settings.worker,
         policy,
@@ -136,12 +143,15 @@ async def run_services(
 
     Raises:
         StoreUnavailable: NATS unreachable at start.
-        ConfigError: no NATS URL, or unusable front-end TLS or auth file settings.
+        ConfigError: no NATS URL, unusable front-end TLS or auth file settings, or an
+            unusable ``worker.dkim`` key.
         ProvisioningError: a stream, bucket or consumer cannot be brought in line.
         OSError: the SMTP or HTTP listen address cannot be bound (a :class:`ListenError`).
         JsqueueError: the embedded nats-server is missing or cannot start (port taken), or
             it died while running (after the orderly shutdown).
     """
+    if worker:
+        load_keys(settings.worker.dkim)  # a bad DKIM key stops the start before anything runs
     nats_died = False
 
     def on_nats_exit() -> None:
@@ -178,6 +188,9 @@ async def run_services(
             owner = w.owner
             tasks.append(asyncio.create_task(w.run(stop)))
             tel.health.set("worker", True)
+        if worker and settings.outbound_tls.report.enabled:
+            reporter = TlsReporter(settings, urls, stores)
+            tasks.append(asyncio.create_task(report_loop(reporter, stores, stop)))
         if worker and settings.reconciler.enabled:
             reconciler = await open_reconciler(settings, urls)
             stack.push_async_callback(reconciler.close)

@@ -236,6 +236,7 @@ def record(
     rng: random.Random,
     *,
     reply_octets: int = replies.STORED_REPLY_OCTETS,
+    dkim: str | None = None,
 ) -> tuple[Entry, Recorded]:
     """Apply one attempt's per-recipient replies to the open recipients of ``domain``.
 
@@ -257,6 +258,7 @@ def record(
         policy: when a 4yz is retried, or expires.
         rng: jitter source of ``policy``.
         reply_octets: the longest reply text kept per recipient, octets.
+        dkim: the attempt's DKIM signing (kept as ``Entry.dkim`` when not None).
 
     Returns:
         the new entry (lease on ``domain`` dropped) and a summary; ``retry_delay_s`` is the
@@ -264,6 +266,8 @@ def record(
     """
     new = _copy(entry)
     new.leases.pop(domain, None)
+    if dkim is not None:
+        new.dkim = dkim
     done = Recorded()
     final_fail = RecipientState.FAILED if entry.reverse_path == "" else RecipientState.BOUNCED
     for r in new.open_recipients(domain):

@@ -92,6 +92,7 @@ class EntryDetail(EntrySummary):
     leases: dict[str, Lease] = Field(default_factory=dict)
     last_error: str | None = None
     body_inline: bool = False
+    dkim: str | None = None
 
     @classmethod
     def of_versioned(cls, v: Versioned) -> EntryDetail:
@@ -111,6 +112,7 @@ class EntryDetail(EntrySummary):
             leases=e.leases,
             last_error=e.last_error,
             body_inline=e.inline_body is not None,
+            dkim=e.dkim,
         )
 
 

@@ -42,6 +42,7 @@ from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
 from jsqueue.store.base import Due, Stores, Versioned
+from jsqueue.worker_log import log_outcome
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -452,6 +453,7 @@ class Worker:
                 self._policy(v.entry),
                 self.rng,
                 reply_octets=octets,
+                dkim=delivery.dkim,
             )
             try:
                 if self._removable(new, now):
@@ -638,35 +640,7 @@ class Worker:
                 reply = delivery.replies.get(r.address) or r.last_reply
                 mx = (reply.remote_host if reply else None) or tried
                 uncertain = r.address in delivery.uncertain
-                log.info(
-                    "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
-                    "took=%.3fs delay=%.0fs next=%s%s",
-                    entry.id,
-                    r.address,
-                    domain,
-                    outcome,
-                    mx or "-",
-                    str(reply) if reply else "",
-                    r.attempts,
-                    took,
-                    age,
-                    r.next_attempt_at.isoformat() if r.next_attempt_at else "-",
-                    # RFC 5321 §6.1: the final "." went out, no reply came back
-                    " uncertain=yes (may be delivered twice)" if uncertain else "",
-                    extra={
-                        "queue_id": entry.id,
-                        "recipient": r.address,
-                        "domain": domain,
-                        "outcome": outcome,
-                        "mx": mx,
-                        "reply": str(reply) if reply else None,
-                        "attempts": r.attempts,
-                        "took_s": round(took, 3),
-                        "delay_s": round(age, 3),
-                        "next_attempt_at": r.next_attempt_at,
-                        "uncertain": uncertain,
-                    },
-                )
+                log_outcome(entry, r, domain, outcome, mx, reply, took, age, uncertain, delivery)
         if not events:
             return
         for event in attempt_events(
@@ -677,6 +651,7 @@ class Worker:
             duration_s=took,
             replies=delivery.replies,
             uncertain=delivery.uncertain,
+            dkim=delivery.dkim,
         ):
             self.observer.emit(event)
 

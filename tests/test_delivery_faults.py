@@ -137,9 +137,13 @@ async def test_recipient_limit_sends_the_rest_in_further_transactions(
     assert mx.connections == (1 if after_data == "stay" else 3)
 
 
-async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one() -> None:
+@pytest.mark.parametrize("pipelining", [True, False])
+async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one(
+    pipelining: bool,
+) -> None:
     """The extra transactions are bounded: one that accepts no recipient at all ends them;
-    its recipients are deferred with the 452 (never bounced)."""
+    its recipients are deferred with the 452 (never bounced). Pipelined, the first group
+    offers every RCPT (RFC 2920); one at a time, the first 452 ends it."""
     host = "127.0.2.121"
     port = shared_port([host])
     rcpts = [f"u{i}@limit.example.test" for i in range(3)]
@@ -158,13 +162,14 @@ async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one() -> N
             [MxTarget(host="mx.limit.example.test", address=host)],
             envelope_of(*rcpts),
             BODY,
-            client_settings(port),
+            client_settings(port, pipelining=pipelining),
         )
     assert result.delivered == rcpts[:1]
     assert result.deferred == rcpts[1:]
     assert all(result.replies[a].code == 452 for a in rcpts[1:])
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[:1]]
-    assert [n for s in mx.sessions for n in s.rcpt_counts()] == [2, 2]
+    offered = [n for s in mx.sessions for n in s.rcpt_counts()]
+    assert offered == ([3, 2] if pipelining else [2, 2])
 
 
 async def test_an_ordinary_552_stays_a_permanent_failure_of_its_recipient() -> None:

@@ -688,6 +688,22 @@ def test_expiry_reports_4_4_7_with_last_remote_reply() -> None:
     assert "expired" in parts(msg)[0].get_content()
 
 
+def test_expiry_after_tls_policy_failure_reports_5_7_x() -> None:
+    """CASE-20 E2 (RFC 3463 §3.8): a recipient that expired while its TLS policy could not
+    be met (last reply 4.7.5) gets one failure DSN with Status 5.7.5 and a diagnostic
+    naming the TLS failure."""
+    last = Reply(
+        code=451,
+        enhanced="4.7.5",
+        text="TLS required by policy but could not be established (mx.strict.example.test "
+        "[127.0.2.161]: MTA-STS policy 20260301T000000; TLS handshake failed)",
+    )
+    e = entry([recipient("user@strict.example.test", RecipientState.BOUNCED, last, attempts=9)])
+    (g,) = status_groups(parse(failure_dsn(e)))[1:]
+    assert (str(g["Action"]), str(g["Status"])) == ("failed", "5.7.5")
+    assert "TLS handshake failed" in str(g["Diagnostic-Code"])
+
+
 @pytest.mark.parametrize(
     ("reply", "action", "expected"),
     [

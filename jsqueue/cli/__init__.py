@@ -11,6 +11,7 @@ import sys
 
 def main() -> None:
     """Console-script entry point: run the command line, exit with its code."""
+    import jsqueue.cli.tls  # noqa: F401  (registers ``tls-report`` on the app)
     from jsqueue.cli.commands import app
     from jsqueue.cli.mail_commands import register
 

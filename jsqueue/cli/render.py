@@ -82,6 +82,8 @@ def render_detail(d: EntryDetail) -> list[str]:
         lines.append(f"lease:        {domain} by {lease.owner} until {_ts(lease.until)} UTC")
     if d.last_error:
         lines.append(f"last error:   {d.last_error}")
+    if d.dkim:
+        lines.append(f"dkim:         {d.dkim}")
     lines.append("recipients:")
     for r in d.recipients:
         lines.append(f"  <{r.address}>  {r.state.value}, {r.attempts} attempt(s)")
@@ -91,6 +93,8 @@ def render_detail(d: EntryDetail) -> list[str]:
         if r.last_reply is not None:
             host = r.last_reply.remote_host or "local"
             lines.append(f"      reply:   {r.last_reply} (from {host})")
+            if r.last_reply.tls is not None:
+                lines.append(f"      tls:     {r.last_reply.tls}")
     return lines
 
 

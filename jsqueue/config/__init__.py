@@ -27,6 +27,7 @@ from jsqueue.config.sections import (
     WorkerSettings,
 )
 from jsqueue.config.settings import Settings, setting_paths
+from jsqueue.config.tls import OutboundTlsSettings, TlsReportSettings
 from jsqueue.config.ui import UiSettings
 
 __all__ = [
@@ -38,12 +39,14 @@ __all__ = [
     "HttpSettings",
     "LogSettings",
     "NatsSettings",
+    "OutboundTlsSettings",
     "ReconcilerSettings",
     "RetrySettings",
     "Settings",
     "SmarthostSettings",
     "SmtpSettings",
     "TlsPolicy",
+    "TlsReportSettings",
     "UiSettings",
     "WorkerSettings",
     "env_names",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from jsqueue.config.sections import _Section
+from jsqueue.config.base import _Section
 
 #: The longest idempotency window: the ingest log forgets records after an hour
 #: (``jsqueue.store.jetstream.provisioning.INGEST_MAX_AGE_S``).

@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     SecretStr,
-    ValidationInfo,
-    field_validator,
 )
+
+from jsqueue.config.base import _Section
+from jsqueue.config.dkim import DkimSettings
 
 CONFIG_ENV = "JSQUEUE_CONFIG"
 
@@ -35,29 +34,6 @@ class BareLinePolicy(StrEnum):
 
     REJECT = "reject"
     ACCEPT = "accept"
-
-
-class _Section(BaseModel):
-    """A settings section: unknown keys are errors (a typo in a TOML file or a
-    ``JSQUEUE_<SECTION>__<NAME>`` variable must not be silently ignored)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_numbers(cls, value: object, info: ValidationInfo) -> object:
-        """``true``/``false`` (TOML, JSON) is not a number; pydantic would read it as 1/0.
-
-        Raises:
-            ValueError: a boolean given for an int or float setting.
-        """
-        numeric = info.field_name is not None and cls.model_fields[info.field_name].annotation in (
-            int,
-            float,
-        )
-        if isinstance(value, bool) and numeric:
-            raise ValueError("expected a number, not true/false")
-        return value
 
 
 def _int_text(value: object) -> object:
@@ -231,11 +207,17 @@ class WorkerSettings(_Section):
     connection_reuse_s: float = Field(
         300.0, gt=0, description="no reuse of an outbound session older than this, seconds"
     )
+    pipelining: bool = Field(
+        True,
+        description="MAIL, every RCPT and DATA in one write when the server offers "
+        "PIPELINING (RFC 2920); false = one command at a time",
+    )
     body_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="local body cache size")
     body_cache_dir: Path | None = Field(None, description="cache dir; a temp dir when unset")
     smarthost: SmarthostSettings | None = Field(
         None, description="relay everything through this host instead of MX lookup"
     )
+    dkim: DkimSettings = Field(default_factory=DkimSettings, description="DKIM signing")
 
 
 class RetrySettings(_Section):

@@ -32,6 +32,7 @@ from jsqueue.config.sections import (
     SmtpSettings,
     WorkerSettings,
 )
+from jsqueue.config.tls import OutboundTlsSettings
 from jsqueue.config.ui import UiSettings
 
 
@@ -66,6 +67,7 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     ui: UiSettings = Field(default_factory=UiSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    outbound_tls: OutboundTlsSettings = Field(default_factory=OutboundTlsSettings)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -1,7 +1,8 @@
 """Delivery adapters: MX resolution (:mod:`.resolver`), one SMTP attempt per destination
-(:mod:`.client`, over :mod:`.session`, :mod:`.connections`, :mod:`.body`, :mod:`.params`,
-:mod:`.responses`), the pure transformations it needs (:mod:`.transform`), the worker's
-deliverer (:mod:`.deliverer`) and the types they share (:mod:`.base`); e.g.
+(:mod:`.client`, over :mod:`.session`, :mod:`.commands`, :mod:`.pipelining`,
+:mod:`.connections`, :mod:`.body`, :mod:`.params`, :mod:`.responses`), the pure
+transformations it needs (:mod:`.transform`), the worker's deliverer (:mod:`.deliverer`) and
+the types they share (:mod:`.base`); e.g.
 ``await deliver_domain(resolver, DeliveryEnvelope.from_entry(entry, domain), body,
 settings.worker, ConnectionCache())`` gives a reply for every recipient of the domain.
 """

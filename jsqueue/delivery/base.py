@@ -98,6 +98,9 @@ class DeliveryResult:
         dsn: the server advertised DSN, so NOTIFY/ORCPT/RET/ENVID were passed on (else a
             NOTIFY=SUCCESS recipient is owed a "relayed" DSN, RFC 3461 §4.1).
         converted_7bit: the body was converted to 7-bit MIME for this server.
+        dkim: what was done about DKIM (RFC 6376) for the bytes sent: ``d=… s=… a=…``
+            per signature of ours, ``unsigned: <why>``, a note when a 7-bit conversion may
+            have broken the message's own signatures; None when no key applies.
         uncertain: addresses whose outcome is unknown: the final ``.`` of DATA was sent
             and then the connection died, the reply timed out or could not be read
             (RFC 5321 §4.5.3.2.6, §6.1). They carry a 4yz reply (retried), yet the next
@@ -113,6 +116,7 @@ class DeliveryResult:
     dsn: bool = False
     converted_7bit: bool = False
     uncertain: frozenset[str] = frozenset()
+    dkim: str | None = None
 
     @property
     def delivered(self) -> list[str]:
@@ -143,11 +147,14 @@ class Attempt:
         uncertain: addresses whose 4yz reply follows a final ``.`` that may have reached
             the next hop (see :attr:`DeliveryResult.uncertain`): logged ``uncertain=yes``,
             their events carry ``uncertain: true``.
+        dkim: the DKIM signing of the message sent (see :attr:`DeliveryResult.dkim`):
+            logged ``dkim=``, in the events and in ``queue show``.
     """
 
     replies: Mapping[str, Reply]
     host: str | None = None
     uncertain: frozenset[str] = frozenset()
+    dkim: str | None = None
 
 
 class Deliverer(Protocol):

@@ -8,18 +8,21 @@ the next MX, the connection cache, timeouts) are in ``docs/architecture.md`` (De
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache
 from jsqueue.delivery.connections import ConnectionCache
+from jsqueue.delivery.dkim import DkimSigner
+from jsqueue.delivery.policy.decision import PolicyEngine, TlsPlan
+from jsqueue.delivery.policy.notes import fallback_note, last_failure, refused_reply, with_note
 from jsqueue.delivery.resolver import MxTarget, Resolver
 from jsqueue.delivery.responses import with_detail
 from jsqueue.delivery.session import NextMx, OutboundSession, TlsFallback
 from jsqueue.errors import DeliveryError
-from jsqueue.replies import R451_CONNECT_FAILED, Reply
+from jsqueue.replies import R451_CONNECT_FAILED, Reply, TlsNote
 
 __all__ = ["deliver", "deliver_domain"]
 
@@ -32,8 +35,11 @@ async def deliver_domain(
     body: BodySource,
     settings: WorkerSettings,
     cache: ConnectionCache | None = None,
+    engine: PolicyEngine | None = None,
+    signer: DkimSigner | None = None,
 ) -> DeliveryResult:
-    """Resolve ``envelope.domain`` and :func:`deliver`; resolver errors become replies.
+    """Resolve ``envelope.domain``, decide each MX's TLS policy (``engine``; the configured
+    ``worker.tls`` alone when None) and :func:`deliver`; resolver errors become replies.
     Not idempotent: it may send the message.
 
     Args:
@@ -42,6 +48,8 @@ async def deliver_domain(
         body: the raw message.
         settings: the ``worker`` settings section.
         cache: sessions to reuse; None = QUIT after each.
+        engine: decides DANE / MTA-STS / opportunistic per MX (RFC 7672, RFC 8461).
+        signer: DKIM signer; None = unsigned.
 
     Returns:
         as :func:`deliver`; on a DNS failure every recipient gets the resolver's reply
@@ -51,7 +59,8 @@ async def deliver_domain(
         targets = await resolver.resolve(envelope.domain)
     except DeliveryError as e:
         return DeliveryResult(replies={r.address: e.reply for r in envelope.recipients})
-    return await deliver(targets, envelope, body, settings, cache)
+    plans = await engine.plans(envelope.domain, targets) if engine is not None else None
+    return await deliver(targets, envelope, body, settings, cache, plans, signer)
 
 
 async def deliver(
@@ -60,6 +69,8 @@ async def deliver(
     body: BodySource,
     settings: WorkerSettings,
     cache: ConnectionCache | None = None,
+    plans: Mapping[str, TlsPlan] | None = None,
+    signer: DkimSigner | None = None,
 ) -> DeliveryResult:
     """Run one delivery attempt over ``targets`` in order, one session each, until one
     completes a transaction (RFC 5321 §5.1); the rules are in ``docs/architecture.md``
@@ -71,9 +82,14 @@ async def deliver(
         body: the raw message; opened once per session that sends DATA.
         settings: timeouts (seconds), TLS policy, EHLO name, MX port, smarthost AUTH.
         cache: sessions to reuse and to give the session back to; None = QUIT after each.
+        plans: the TLS plan per MX host name (:mod:`.policy.decision`); a plan that
+            refuses its MX skips it with ``4.7.5``. None = ``worker.tls`` alone.
+        signer: DKIM signer (``worker.dkim``): signs the bytes each session sends (after
+            any 7-bit conversion); None = unsigned.
 
     Returns:
-        one reply per recipient address; never raises for network, protocol or TLS errors.
+        one reply per recipient address (each carrying the session's TLS note);
+        never raises for network, protocol or TLS errors.
         When every target failed, every recipient gets the last target's failure (e.g.
         ``451 4.4.1``, worded for the smarthost when the target is one) and ``tried_host``
         names that target.
@@ -84,12 +100,21 @@ async def deliver(
     if not targets:
         reply = with_detail(R451_CONNECT_FAILED, "no mail exchanger to try")
         return DeliveryResult(replies={r.address: reply for r in recipients})
-    body_cache = BodyCache(body)
+    body_cache = BodyCache(body, signer, envelope.reverse_path)
     last: Reply | None = None  # every target that did not return set it
+    earlier: list[TlsNote] = []  # TLS notes of the sessions that failed (RFC 8460 counts)
     for target in targets:
         allow_tls = True
+        plan = (plans or {}).get(target.host)
+        if plan is not None and plan.refuse is not None:
+            log.warning("%s [%s]: not used: %s", target.host, target.address, plan.refuse.detail)
+            last = refused_reply(target, plan.refuse)
+            earlier.append(plan.refuse)
+            continue
         while True:
-            session = OutboundSession(target, envelope, recipients, body_cache, settings, allow_tls)
+            session = OutboundSession(
+                target, envelope, recipients, body_cache, settings, allow_tls, plan=plan
+            )
             try:
                 result = await session.run(cache)
             except TlsFallback as e:
@@ -100,6 +125,7 @@ async def deliver(
                     e,
                 )
                 allow_tls = False
+                earlier.append(fallback_note(plan, session, e))
                 continue
             except NextMx as e:
                 log.info(
@@ -110,9 +136,12 @@ async def deliver(
                     "address of the smarthost" if target.relay else "MX",
                 )
                 last = e.reply
+                earlier.extend([e.reply.tls] if e.reply.tls else [])
                 break
-            return await _rest(result, session, cache)
-    failed = last or with_detail(R451_CONNECT_FAILED, "no mail exchanger answered")
+            return with_note(await _rest(result, session, cache), session, earlier)
+    failed = last_failure(last, earlier) or with_detail(
+        R451_CONNECT_FAILED, "no mail exchanger answered"
+    )
     tried = targets[-1].host
     return DeliveryResult(replies={r.address: failed for r in recipients}, tried_host=tried)
 
@@ -140,6 +169,7 @@ async def _rest(
             session.settings,
             session.allow_tls,
             fresh=session.desynced,
+            plan=session.plan,
         )
         try:
             more = await session.run(cache)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import aiosmtplib
 
 from jsqueue.config import TlsPolicy
+from jsqueue.replies import TlsNote
 
 __all__ = ["QUIT_TIMEOUT_S", "CacheKey", "ConnectionCache", "IdleSession", "quit_smtp"]
 
@@ -37,7 +38,9 @@ async def quit_smtp(smtp: aiosmtplib.SMTP, where: str) -> None:
 class CacheKey(NamedTuple):
     """What a cached session must match to be reused: the same MX host name (the name
     in replies, SNI and certificate checks), address and port, the same hop kind (relay
-    sessions are authenticated) and the same TLS policy and fallback state."""
+    sessions are authenticated) and the same TLS policy and fallback state; ``plan`` is
+    the published policy that decided it (``dane``, ``mta-sts enforce`` ...; ``""`` for
+    the configured one), so a session checked under one is not reused under another."""
 
     host: str
     address: str
@@ -45,6 +48,7 @@ class CacheKey(NamedTuple):
     relay: bool
     policy: TlsPolicy
     allow_tls: bool
+    plan: str = ""
 
 
 @dataclass
@@ -57,6 +61,8 @@ class IdleSession:
     tls_version: str | None
     opened_at: float
     timer: asyncio.TimerHandle | None = None
+    #: the TLS policy note of the session when it was opened (a reuse repeats it)
+    tls_note: TlsNote | None = None
 
 
 class ConnectionCache:

@@ -11,6 +11,8 @@ from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, DeliveryEnvelope
 from jsqueue.delivery.client import deliver_domain
 from jsqueue.delivery.connections import ConnectionCache
+from jsqueue.delivery.dkim import DkimSigner
+from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.resolver import Resolver
 from jsqueue.envelope import Entry, Recipient
 
@@ -23,17 +25,26 @@ class SmtpDeliverer:
     Args:
         resolver: MX (or smarthost) resolution.
         settings: the ``worker`` settings section (timeouts, TLS policy, port, connection
-            cache lifetimes in seconds).
+            cache lifetimes in seconds, DKIM keys).
+        engine: decides each MX's TLS policy (DANE, MTA-STS; RFC 7672, RFC 8461); the
+            configured ``worker.tls`` alone when None.
+
+    Raises:
+        ConfigError: a ``worker.dkim`` key cannot be used (one line naming the setting).
     """
 
-    def __init__(self, resolver: Resolver, settings: WorkerSettings) -> None:
+    def __init__(
+        self, resolver: Resolver, settings: WorkerSettings, engine: PolicyEngine | None = None
+    ) -> None:
         self.resolver = resolver
         self.settings = settings
+        self.engine = engine
         self.connections = ConnectionCache(
             idle_s=settings.connection_cache_s,
             max_age_s=settings.connection_reuse_s,
             max_idle=settings.concurrency,
         )
+        self.signer = DkimSigner.from_settings(settings.dkim)
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
@@ -49,10 +60,17 @@ class SmtpDeliverer:
         # The worker passes the recipients it claimed: the same as the entry's open ones.
         envelope = replace(DeliveryEnvelope.from_entry(entry, domain), recipients=tuple(recipients))
         result = await deliver_domain(
-            self.resolver, envelope, body, self.settings, self.connections
+            self.resolver,
+            envelope,
+            body,
+            self.settings,
+            self.connections,
+            engine=self.engine,
+            signer=self.signer,
         )
-        return Attempt(result.replies, result.tried_host, result.uncertain)
+        return Attempt(result.replies, result.tried_host, result.uncertain, result.dkim)
 
     async def close(self) -> None:
-        """QUIT the cached sessions. Idempotent."""
+        """QUIT the cached sessions, stop the signing thread. Idempotent."""
         await self.connections.close()
+        self.signer.close()

@@ -15,9 +15,10 @@ from collections.abc import Iterable
 import aiosmtplib
 from aiosmtplib import SMTPResponse
 
-from jsqueue.config import TlsPolicy, WorkerSettings
+from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache, aclose
+from jsqueue.delivery.commands import plan_transaction
 from jsqueue.delivery.connections import (
     CacheKey,
     ConnectionCache,
@@ -25,7 +26,8 @@ from jsqueue.delivery.connections import (
     abort_connection,
     quit_smtp,
 )
-from jsqueue.delivery.params import notify_param, orcpt_param, size_limit, smtp_path, xtext
+from jsqueue.delivery.pipelining import pipelined_transaction
+from jsqueue.delivery.policy.decision import MANUAL, TlsPlan
 from jsqueue.delivery.resolver import MxTarget
 from jsqueue.delivery.responses import (
     hop_reply,
@@ -34,10 +36,10 @@ from jsqueue.delivery.responses import (
     too_many_recipients,
     with_detail,
 )
-from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback, literal_like
+from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback
+from jsqueue.delivery.starttls import starttls
 from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync
-from jsqueue.delivery.tls import client_context
-from jsqueue.delivery.transform import ConversionError, DotStuffer
+from jsqueue.delivery.transform import DotStuffer
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
     R451_AUTH_FAILED,
@@ -46,13 +48,10 @@ from jsqueue.replies import (
     R451_CONNECTION_LOST,
     R451_PROTOCOL_ERROR,
     R451_TIMEOUT,
-    R451_TLS_REQUIRED,
     R501_BAD_FORWARD_PATH,
     R501_BAD_REVERSE_PATH,
-    R554_8BIT_UNSUPPORTED,
-    R554_SIZE_EXCEEDED,
-    R554_SMTPUTF8_REQUIRED,
     Reply,
+    TlsNote,
 )
 
 __all__ = ["NextMx", "OutboundSession", "TlsFallback"]
@@ -83,8 +82,11 @@ class OutboundSession:
         settings: WorkerSettings,
         allow_tls: bool,
         fresh: bool = False,
+        plan: TlsPlan | None = None,
     ) -> None:
         self.target = target
+        self.plan = plan  # the TLS policy decided for this MX (None: worker.tls only)
+        self.tls_note: TlsNote | None = None
         self.fresh = fresh
         self.desynced = False  # a desynchronised reply left carry for a fresh connection
         self.host = target.host
@@ -109,6 +111,8 @@ class OutboundSession:
             self.policy = settings.tls_policies.get(target.host.lower(), settings.tls)
         else:
             self.policy = settings.tls_policies.get(envelope.domain.lower(), settings.tls)
+        if plan is not None and plan.label != MANUAL:
+            self.policy = plan.session_policy
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -133,6 +137,7 @@ class OutboundSession:
             tls_version=self.tls_version,
             dsn=self.dsn,
             converted_7bit=self.converted,
+            dkim=self.body.dkim(self.converted),
             uncertain=frozenset(self.uncertain),
         )
 
@@ -264,54 +269,9 @@ class OutboundSession:
             raise NextMx(self._translate(e, stage).reply) from e
 
     async def _starttls(self, extensions: dict[str, str]) -> dict[str, str]:
-        """STARTTLS per policy; returns the extensions to use afterwards.
-
-        Raises:
-            NextMx: TLS is required (``required``/``verify``) and STARTTLS is not offered,
-                there is no name to verify, or it is refused or fails; or the server
-                refused it with 421 or dropped the connection; or the EHLO after it failed.
-            TlsFallback: opportunistic STARTTLS failed in the handshake: retry the address
-                in plaintext.
-        """
-        assert self.smtp is not None
-        policy = self.policy
-        if policy is TlsPolicy.NEVER or (policy is TlsPolicy.OPPORTUNISTIC and not self.allow_tls):
-            return extensions
-        required = policy in (TlsPolicy.REQUIRED, TlsPolicy.VERIFY)
-        if "starttls" not in extensions:
-            if required:
-                raise NextMx(
-                    with_detail(R451_TLS_REQUIRED, f"{self.where()}: STARTTLS not offered")
-                )
-            return extensions
-        sni = None if literal_like(self.host) else self.host
-        if policy is TlsPolicy.VERIFY and sni is None:
-            raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self.where()}: no name to verify"))
-        await check_sync(self.smtp, "STARTTLS")
-        try:
-            await self.smtp.starttls(
-                server_hostname=sni,
-                tls_context=client_context(self.policy, self.settings.tls_ca_file),
-                timeout=self.settings.mail_timeout_s,
-            )
-        except aiosmtplib.SMTPResponseException as e:
-            # The server refused STARTTLS (e.g. 454) but the plaintext session is intact.
-            if e.code == 421 or required or not self.smtp.is_connected:
-                reason = f"STARTTLS refused: {e.code} {e.message}"
-                base = R451_TLS_REQUIRED if required else R451_CONNECTION_LOST
-                raise NextMx(self._fail(base, f"{self.where()}: {reason}")) from e
-            refused = f"{e.code} {e.message}"
-            log.warning("%s: STARTTLS refused (%s); continuing in plaintext", self.where(), refused)
-            return extensions
-        except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
-            if required:
-                raise NextMx(with_detail(R451_TLS_REQUIRED, f"{self.where()}: {e}")) from e
-            raise TlsFallback(str(e) or type(e).__name__) from e
-        self.tls = True
-        ssl_object = self.smtp.get_transport_info("ssl_object")
-        if isinstance(ssl_object, ssl.SSLObject):
-            self.tls_version = ssl_object.version()
-        return await self._hello()
+        """STARTTLS per policy (:func:`jsqueue.delivery.starttls.starttls`, which raises
+        NextMx or TlsFallback); returns the extensions to use afterwards."""
+        return await starttls(self, extensions)
 
     async def _auth(self) -> None:
         smarthost = self.settings.smarthost
@@ -342,7 +302,13 @@ class OutboundSession:
     def _cache_key(self) -> CacheKey:
         t = self.target
         return CacheKey(
-            t.host, t.address, t.port or self.settings.mx_port, t.relay, self.policy, self.allow_tls
+            t.host,
+            t.address,
+            t.port or self.settings.mx_port,
+            t.relay,
+            self.policy,
+            self.allow_tls,
+            f"{self.plan.label} {self.plan.policy_id}" if self.plan else "",
         )
 
     async def run(self, cache: ConnectionCache | None = None) -> DeliveryResult:
@@ -364,6 +330,7 @@ class OutboundSession:
             idle = cache.take(self._cache_key())
             if idle is not None:
                 self.smtp, self.tls, self.tls_version = idle.smtp, idle.tls, idle.tls_version
+                self.tls_note = idle.tls_note
                 self.opened_at = idle.opened_at
                 try:
                     result = await self._transactions(idle.extensions)
@@ -398,7 +365,9 @@ class OutboundSession:
         """Hand a reusable connection to the cache; QUIT any other."""
         smtp = self.smtp
         if cache is not None and smtp is not None and self.reusable and smtp.is_connected:
-            idle = IdleSession(smtp, extensions, self.tls, self.tls_version, self.opened_at)
+            idle = IdleSession(
+                smtp, extensions, self.tls, self.tls_version, self.opened_at, None, self.tls_note
+            )
             if cache.put(self._cache_key(), idle):
                 self.smtp = None
                 return
@@ -472,84 +441,23 @@ class OutboundSession:
     async def _transaction(
         self, extensions: dict[str, str], recipients: list[Recipient]
     ) -> DeliveryResult:
-        env = self.envelope
-        replies: dict[str, Reply] = {}
-        server_utf8 = "smtputf8" in extensions
-        needs_utf8 = (
-            env.smtputf8
-            or not env.reverse_path.isascii()
-            or any(not r.address.isascii() for r in recipients)
-        )
-        use_utf8 = server_utf8 and needs_utf8
-        everyone = [r.address for r in recipients]
+        plan = await plan_transaction(self.envelope, recipients, extensions, self.body, self.host)
+        self.converted = self.converted or plan.converted
+        self.dsn = self.dsn if plan.dsn is None else plan.dsn
+        replies = plan.replies
+        if plan.mail is None or plan.body is None or not plan.rcpts:
+            return self._result(replies)
+        if self.settings.pipelining and "pipelining" in extensions:
+            return await pipelined_transaction(self, plan, recipients)  # RFC 2920
 
-        def all_get(reply: Reply, addresses: Iterable[str] = everyone) -> DeliveryResult:
+        def all_get(reply: Reply, addresses: Iterable[str]) -> DeliveryResult:
             for a in addresses:
                 replies[a] = reply
             return self._result(replies)
 
-        utf8_reply = R554_SMTPUTF8_REQUIRED
-        reverse = smtp_path(env.reverse_path, use_utf8)
-        if reverse is None:
-            return all_get(
-                with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8; sender {env.reverse_path}")
-            )
-        if env.smtputf8 and not use_utf8 and await self.body.headers_8bit():
-            return all_get(
-                with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8; UTF-8 in the header")
-            )
-        paths: dict[str, str] = {}
-        for r in recipients:
-            p = smtp_path(r.address, use_utf8)
-            if p is None:
-                replies[r.address] = with_detail(utf8_reply, f"{self.host} lacks SMTPUTF8")
-            else:
-                paths[r.address] = p
-        if not paths:
-            return self._result(replies)
-
-        # 8-bit body to a server without 8BITMIME: convert (RFC 6152 §3) or fail 5.6.3.
-        body_source: BodySource = self.body.source
-        body_8bit = env.body_8bit
-        if body_8bit and "8bitmime" not in extensions:
-            try:
-                converted = await self.body.converted()
-            except ConversionError as e:
-                reply = R554_8BIT_UNSUPPORTED
-                return all_get(with_detail(reply, f"{self.host} lacks 8BITMIME; {e}"), paths)
-            body_source = BodySource.from_bytes(converted)
-            body_8bit = False
-            self.converted = True
-
-        limit = size_limit(extensions)
-        if limit is not None and body_source.size > limit:
-            reply = R554_SIZE_EXCEEDED
-            return all_get(
-                with_detail(reply, f"{body_source.size} octets > {self.host} SIZE {limit}"), paths
-            )
-
-        self.dsn = "dsn" in extensions
-        params: list[bytes] = []
-        if "size" in extensions:
-            params.append(f"SIZE={body_source.size}".encode())
-        if body_8bit and "8bitmime" in extensions:
-            params.append(b"BODY=8BITMIME")
-        if use_utf8:
-            params.append(b"SMTPUTF8")
-        if self.dsn:
-            if env.ret:
-                params.append(f"RET={env.ret}".encode())
-            if env.envid:
-                params.append(f"ENVID={xtext(env.envid)}".encode())
-        encoding = "utf-8" if use_utf8 else "ascii"
+        paths = [a for a, _ in plan.rcpts]
         try:
-            mail_arg = f"FROM:<{reverse}>".encode(encoding)
-        except UnicodeEncodeError:
-            return all_get(R501_BAD_REVERSE_PATH, paths)
-        try:
-            mail = await self._command(
-                "MAIL", self.settings.mail_timeout_s, b"MAIL", mail_arg, *params
-            )
+            mail = await self._command("MAIL", self.settings.mail_timeout_s, *plan.mail)
         except Failed as e:
             if isinstance(e.__cause__, ValueError):
                 return all_get(with_detail(R501_BAD_REVERSE_PATH, str(e.__cause__)), paths)
@@ -561,23 +469,10 @@ class OutboundSession:
 
         accepted: list[str] = []
         by_address = {r.address: r for r in recipients}
-        offered = list(paths.items())
-        for index, (address, path) in enumerate(offered):
-            rcpt_params: list[bytes] = []
-            recipient = by_address[address]
-            if self.dsn:
-                if recipient.notify:
-                    rcpt_params.append(f"NOTIFY={notify_param(recipient.notify)}".encode())
-                if recipient.orcpt:
-                    rcpt_params.append(f"ORCPT={orcpt_param(recipient.orcpt)}".encode())
+        offered = plan.rcpts
+        for index, (address, args) in enumerate(offered):
             try:
-                reply = await self._command(
-                    "RCPT",
-                    self.settings.rcpt_timeout_s,
-                    b"RCPT",
-                    f"TO:<{path}>".encode(encoding),
-                    *rcpt_params,
-                )
+                reply = await self._command("RCPT", self.settings.rcpt_timeout_s, *args)
             except Failed as e:
                 if isinstance(e.__cause__, ValueError):
                     replies[address] = with_detail(R501_BAD_FORWARD_PATH, str(e.__cause__))
@@ -605,7 +500,7 @@ class OutboundSession:
         if not accepted:
             await check_sync(self.smtp, "the next command")  # the refusals stand only then
             return self._result(replies)
-        return await self._data(body_source, accepted, replies)
+        return await self._data(plan.body, accepted, replies)
 
     async def _data(
         self, body: BodySource, accepted: list[str], replies: dict[str, Reply]
@@ -626,7 +521,24 @@ class OutboundSession:
             if not (start.is_temporary or start.is_permanent):
                 start = with_detail(R451_PROTOCOL_ERROR, f"{self.where()}: {start.code} to DATA")
             return accepted_get(start)
+        return await self._body(body, accepted, replies)
 
+    async def _body(
+        self, body: BodySource, accepted: list[str], replies: dict[str, Reply]
+    ) -> DeliveryResult:
+        """After ``354``: the body, dot-stuffed, then the final dot and its reply (RFC 5321
+        §4.1.1.4); the accepted recipients get that reply (uncertain when none came).
+
+        Raises:
+            Desync: data out of sync before or after the final dot (:mod:`.sync`).
+        """
+
+        def accepted_get(reply: Reply) -> DeliveryResult:
+            for a in accepted:
+                replies[a] = reply
+            return self._result(replies)
+
+        s = self.settings
         assert self.smtp is not None and self.smtp.protocol is not None
         protocol = self.smtp.protocol
         stuffer = DotStuffer()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Protocol
 
 import aiosmtplib
 from aiosmtplib import SMTPResponse
@@ -23,7 +24,7 @@ from aiosmtplib.protocol import SMTPProtocol
 
 from jsqueue.replies import Reply
 
-__all__ = ["STRAY_KEEP_OCTETS", "Desync", "GuardedProtocol", "GuardedSMTP", "check_sync"]
+__all__ = ["STRAY_KEEP_OCTETS", "Desync", "GuardedProtocol", "GuardedSMTP", "Tap", "check_sync"]
 
 STRAY_KEEP_OCTETS = 512
 """Octets of unexpected server data kept for the log line."""
@@ -46,10 +47,22 @@ class Desync(Exception):
         self.replies = replies or {}
 
 
+class Tap(Protocol):
+    """A reader that takes every octet the server sends while it is set as
+    :attr:`GuardedProtocol.tap` (the pipelined group of :mod:`.pipelining`)."""
+
+    def feed(self, data: bytes) -> None:
+        """Server data, as received."""
+
+    def lost(self, exc: Exception) -> None:
+        """The connection ended (EOF or lost)."""
+
+
 class GuardedProtocol(SMTPProtocol):
     """aiosmtplib's protocol, also keeping data received while no reply is awaited (which
     aiosmtplib drops) so that :func:`check_sync` can see it. Reads aiosmtplib's private
-    ``_buffer``, ``_response_waiter`` and ``_response_pending`` (checked by a test)."""
+    ``_buffer``, ``_response_waiter`` and ``_response_pending`` (checked by a test). While
+    :attr:`tap` is set, every octet goes to it instead (aiosmtplib reads nothing)."""
 
     def __init__(
         self,
@@ -58,8 +71,22 @@ class GuardedProtocol(SMTPProtocol):
     ) -> None:
         super().__init__(loop=loop, connection_lost_callback=connection_lost_callback)
         self.stray = bytearray()
+        self.tap: Tap | None = None
+
+    def eof_received(self) -> bool:
+        if self.tap is not None:
+            self.tap.lost(aiosmtplib.SMTPServerDisconnected("Unexpected EOF received"))
+        return super().eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.tap is not None:
+            self.tap.lost(aiosmtplib.SMTPServerDisconnected(f"Connection lost: {exc}"))
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.tap is not None:  # a pipelined group reads its own replies
+            self.tap.feed(data)
+            return
         waiter = self._response_waiter
         if waiter is not None and (not self._response_pending or waiter.done()):
             room = STRAY_KEEP_OCTETS - len(self.stray)

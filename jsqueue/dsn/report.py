@@ -330,11 +330,17 @@ def _is_expired(recipient: Recipient, action: Action) -> bool:
 def status_code(recipient: Recipient, action: Action) -> str:
     """The RFC 3464 §2.3.4 Status for a reported recipient (RFC 3463 code).
 
-    Expired (failed with a temporary or no last reply): ``4.4.7``. Otherwise the last reply's
+    Expired (failed with a temporary or no last reply): ``4.4.7``, except after a security
+    or policy failure (last reply ``4.7.x``, e.g. ``4.7.5`` when a TLS policy could not be
+    met): ``5.7.x``, so the DSN names the TLS failure (RFC 3463 §3.8). Otherwise the last reply's
     enhanced code when well-formed and of the same class as the basic code, else the class
     synthesised from the basic code (``5.0.0``, ``4.0.0``, ``2.0.0``), else from the action.
     """
     if _is_expired(recipient, action):
+        last = recipient.last_reply
+        enhanced = last.enhanced if last is not None else None
+        if enhanced and enhanced.startswith("4.7.") and _ENHANCED_RE.match(enhanced):
+            return "5" + enhanced[1:]
         return "4.4.7"
     reply = recipient.last_reply
     if reply is not None:

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState, WorkItem
 from jsqueue.errors import EntryTooLarge, InvalidName
+from jsqueue.store.policies import PolicyCache
 
 
 @dataclass(frozen=True)
@@ -489,6 +490,8 @@ class Stores:
     ingest: IngestLog | None = None
     lock: Callable[[str, float], Awaitable[Lock]] | None = None
     presence: Presence | None = None
+    #: the cluster-wide MTA-STS policy cache; None = each worker keeps its own
+    policies: PolicyCache | None = None
 
 
 def encode_entry(entry: Entry, max_size: int) -> bytes:

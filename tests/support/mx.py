@@ -152,10 +152,14 @@ class Session:
         tls: STARTTLS completed.
         tls_version: negotiated TLS version.
         closed: the connection has ended.
+        reads: the command lines that arrived in each read of the server (one TCP read,
+            message content excluded), in order: a pipelined group (RFC 2920) is one read
+            holding MAIL, every RCPT and DATA (:class:`SmtpdMx` only).
     """
 
     peer: Any
     commands: list[str] = field(default_factory=list)
+    reads: list[list[str]] = field(default_factory=list)
     transactions: list[Transaction] = field(default_factory=list)
     tls: bool = False
     tls_version: str | None = None
@@ -164,6 +168,10 @@ class Session:
     def verbs(self) -> list[str]:
         """The command verbs in order, upper case (``["EHLO", "MAIL", ...]``)."""
         return [c.split(" ", 1)[0].upper() for c in self.commands]
+
+    def read_verbs(self) -> list[list[str]]:
+        """The command verbs of each read (see ``reads``), upper case."""
+        return [[c.split(" ", 1)[0].upper() for c in read] for read in self.reads]
 
     def rcpt_counts(self) -> list[int]:
         """RCPT commands sent after each MAIL, in order (a reused session has several)."""
@@ -278,6 +286,13 @@ class ScriptedMx(_MxBase):
         hold: when set, the reply to the end of data waits until this event is set (a slow
             server: the client sits in the final-reply wait, RFC 5321 §4.5.3.2.6); the
             transaction counts in :attr:`held` meanwhile.
+        extra_replies: a reply sent unasked right after the reply to a verb (``{"MAIL":
+            "250 2.1.0 again"}``: two replies to one command; for ``"DATA"`` right after
+            the ``354``, i.e. before the client could send the data or its final dot).
+        trickle: when set, every reply after the greeting goes out in pieces of this many
+            octets, one write each with a pause between (TCP_NODELAY: one segment each),
+            so replies and their lines are split across segments; :attr:`pieces` counts
+            the writes.
     """
 
     def __init__(
@@ -305,8 +320,13 @@ class ScriptedMx(_MxBase):
         max_line_length: int | None = None,
         hook: Callable[[Session, str], str | None] | None = None,
         hold: asyncio.Event | None = None,
+        trickle: int | None = None,
+        extra_replies: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(host, port)
+        self.extra_replies = {k.upper(): v for k, v in (extra_replies or {}).items()}
+        self.trickle = trickle
+        self.pieces = 0
         self._writers: list[asyncio.StreamWriter] = []
         self.hold = hold
         self.held = 0
@@ -384,8 +404,16 @@ class ScriptedMx(_MxBase):
             return False
         if reply == SILENT:
             return True
-        writer.write(b"".join(line.encode() + b"\r\n" for line in reply.split("\n")))
-        await writer.drain()
+        octets = b"".join(line.encode() + b"\r\n" for line in reply.split("\n"))
+        if self.trickle is None or reply == self.greeting:
+            writer.write(octets)
+            await writer.drain()
+            return True
+        for start in range(0, len(octets), self.trickle):
+            writer.write(octets[start : start + self.trickle])
+            await writer.drain()
+            self.pieces += 1
+            await asyncio.sleep(0.005)
         return True
 
     async def _converse(
@@ -449,6 +477,8 @@ class ScriptedMx(_MxBase):
                 else:
                     if not await self._send(writer, self.data):
                         return
+                    if "DATA" in self.extra_replies:
+                        await self._send(writer, self.extra_replies["DATA"])
                     if not self.data.startswith("354"):
                         continue
                     await self._read_data(reader, tx)
@@ -478,6 +508,8 @@ class ScriptedMx(_MxBase):
                 reply = "502 5.5.2 command not recognized"
             if not await self._send(writer, reply):
                 return
+            if verb in self.extra_replies and verb != "DATA":
+                await self._send(writer, self.extra_replies[verb])
 
     async def _read_data(self, reader: asyncio.StreamReader, tx: Transaction) -> None:
         raw = bytearray() if self.keep_data else None
@@ -524,7 +556,8 @@ def trap(host: str, port: int = 0) -> ScriptedMx:
 class _RecordingSMTP(AiosmtpdSMTP):
     """aiosmtpd's SMTP protocol, also recording command lines and the raw DATA stream.
 
-    Assumes a client that waits for each reply (no PIPELINING), which is what jsqueue does.
+    Records which command lines came in which read (``Session.reads``), so a test can
+    count the client's round trips; aiosmtpd answers pipelined commands in order.
     """
 
     def __init__(self, mx: SmtpdMx, *args: Any, **kwargs: Any) -> None:
@@ -542,10 +575,14 @@ class _RecordingSMTP(AiosmtpdSMTP):
             self.data_buffer += data
         else:
             self.line_buffer += data
+            lines: list[str] = []
             while (end := self.line_buffer.find(b"\r\n")) >= 0:
                 line = bytes(self.line_buffer[:end])
                 del self.line_buffer[: end + 2]
-                self.record.commands.append(line.decode("utf-8", "surrogateescape"))
+                lines.append(line.decode("utf-8", "surrogateescape"))
+            self.record.commands.extend(lines)
+            if lines:
+                self.record.reads.append(lines)
             self.mx._notify()
         super().data_received(data)
 
@@ -581,6 +618,8 @@ class SmtpdMx(_MxBase):
         smtputf8: advertise SMTPUTF8 (else non-ASCII commands get ``500``).
         extra_extensions: more EHLO keywords (e.g. ``["DSN"]``; aiosmtpd itself rejects
             unknown MAIL/RCPT parameters with 555).
+        pipelining: advertise PIPELINING (RFC 2920; aiosmtpd handles pipelined commands
+            but does not advertise it itself).
         tls: server TLS context: STARTTLS offered.
         users: AUTH PLAIN/LOGIN credentials (user -> password); AUTH only after STARTTLS.
         mail_reply: reply to MAIL instead of accepting.
@@ -599,6 +638,7 @@ class SmtpdMx(_MxBase):
         eight_bit: bool = True,
         smtputf8: bool = False,
         extra_extensions: Sequence[str] = (),
+        pipelining: bool = False,
         tls: ssl.SSLContext | None = None,
         users: Mapping[str, str] | None = None,
         mail_reply: str | None = None,
@@ -610,7 +650,7 @@ class SmtpdMx(_MxBase):
         self.size = size
         self.eight_bit = eight_bit
         self.smtputf8 = smtputf8
-        self.extra_extensions = list(extra_extensions)
+        self.extra_extensions = list(extra_extensions) + (["PIPELINING"] if pipelining else [])
         self.tls = tls
         self.users = dict(users or {})
         self.mail_reply = mail_reply

@@ -162,6 +162,9 @@ class Postfix:
         port: smtpd port.
         settings: ``main.cf`` parameters on top of the isolating base settings.
         mailboxes: addresses the ``virtual`` agent delivers to (Maildir).
+        listeners: more smtpd listeners on the same port, address → ``-o`` overrides of
+            that smtpd (e.g. ``{"127.0.3.4": {"smtpd_discard_ehlo_keywords": "8bitmime"}}``
+            for a server without 8BITMIME).
     """
 
     def __init__(
@@ -171,6 +174,7 @@ class Postfix:
         port: int,
         settings: Mapping[str, str],
         mailboxes: Iterable[str] = (),
+        listeners: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         require_tools(POSTFIX, POSTCONF)
         self.directory = directory
@@ -178,6 +182,7 @@ class Postfix:
         self.port = port
         self.settings = dict(settings)
         self.mailboxes = sorted(set(mailboxes))
+        self.listeners = {a: dict(o) for a, o in (listeners or {}).items()}
         self.config_dir = directory / "etc"
         self.mail_dir = directory / "mail"
         self.log_file = directory / "maillog"
@@ -194,8 +199,11 @@ class Postfix:
         host: str | None = None,
         port: int | None = None,
         hostname: str = "mx.example.test",
+        extra: Mapping[str, str] | None = None,
+        listeners: Mapping[str, Mapping[str, str]] | None = None,
     ) -> Postfix:
-        """The final MX for the domains of ``mailboxes``; each gets a Maildir."""
+        """The final MX for the domains of ``mailboxes``; each gets a Maildir. ``extra``:
+        more ``main.cf`` parameters; ``listeners``: see :class:`Postfix`."""
         boxes = sorted(set(mailboxes))
         domains = sorted({b.rsplit("@", 1)[1].lower() for b in boxes})
         host = host or loopback_address()
@@ -210,8 +218,10 @@ class Postfix:
             "smtpd_reject_unlisted_recipient": "yes",
             # Mail from jsqueue on 127.0.0.1 is not "local": leave its headers alone.
             "local_header_rewrite_clients": "",
+            **(extra or {}),
         }
-        return cls(directory, host, port or free_port(host), settings, boxes)
+        port = port or free_port(host, others=list(listeners or {}))
+        return cls(directory, host, port, settings, boxes, listeners)
 
     @classmethod
     def relay(
@@ -289,8 +299,14 @@ class Postfix:
         (self.config_dir / "main.cf").write_text(
             "".join(f"{k} = {v}\n" for k, v in settings.items())
         )
+        more = "".join(
+            f"{address}:{self.port} inet n - n - - smtpd"
+            + "".join(f" -o {k}={v}" for k, v in options.items())
+            + "\n"
+            for address, options in self.listeners.items()
+        )
         (self.config_dir / "master.cf").write_text(
-            _MASTER_CF.format(listen=f"{self.host}:{self.port}")
+            _MASTER_CF.format(listen=f"{self.host}:{self.port}") + more
         )
         if self.mailboxes:
             self.mail_dir.mkdir(exist_ok=True)

@@ -24,6 +24,7 @@ from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.store.jetstream.ingest import JetStreamIngestLog
 from jsqueue.store.jetstream.lock import JetStreamLock
+from jsqueue.store.jetstream.policies import JetStreamPolicyCache
 from jsqueue.store.jetstream.presence import JetStreamPresence
 from jsqueue.store.jetstream.provisioning import provision
 from jsqueue.store.jetstream.work import JetStreamScheduler
@@ -196,7 +197,10 @@ async def open_jetstream(
         return held
 
     presence = JetStreamPresence(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
-    return Stores(bodies, entries, scheduler, close, ingest, lock=lock, presence=presence)
+    policies = JetStreamPolicyCache(nc, names, replicas=settings.replicas, timeout_s=timeout_s)
+    return Stores(
+        bodies, entries, scheduler, close, ingest, lock=lock, presence=presence, policies=policies
+    )
 
 
 async def queue_backlog(
