@@ -130,6 +130,8 @@ async def test_login_overview_search_open_flush(
     await page.click(f"a[href='/ui/queue/{target}']")
     await expect(page.locator("#entry-state")).to_have_text("deferred")
     await expect(page.locator("table.history")).to_contain_text("450 4.2.0")
+    # the TLS policy of the session that gave the reply (the scripted MX offers no STARTTLS)
+    await expect(page.locator("table.history")).to_contain_text("opportunistic: no TLS")
     await shot(page, screens, "4-message")
 
     env.slow.rcpt = "250 2.1.5 ok"  # the MX takes it now: a flush delivers it

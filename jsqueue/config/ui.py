@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from jsqueue.config.sections import _Section
+from jsqueue.config.base import _Section
 
 
 class UiSettings(_Section):
