@@ -28,6 +28,10 @@ tools:
 	  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    swaks postfix >/dev/null; }
+	@test -x /usr/bin/chromium || { \
+	  echo "installing chromium (Debian package) for the dashboard's browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    chromium >/dev/null; }
 	@# unbound: the validating resolver of the DANE tests, which start their own instance; a
 	@# policy-rc.d (only for the install, when none exists) keeps the system service stopped.
 	@test -x /usr/sbin/unbound || { \

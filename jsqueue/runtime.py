@@ -35,6 +35,7 @@ from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Stores
 from jsqueue.store.cache import CachedBodyStore
 from jsqueue.store.jetstream import open_jetstream
+from jsqueue.ui.app import DashboardMount
 from jsqueue.worker import Worker
 
 log = logging.getLogger("jsqueue")
@@ -200,8 +201,9 @@ async def run_services(
         api = None
         if settings.api.enabled:
 
-            def api(observer: Observer) -> ApiMount:
-                return ApiMount(settings, stores, urls, observer)
+            def api(observer: Observer) -> ApiMount | DashboardMount:
+                mount = ApiMount(settings, stores, urls, observer)
+                return DashboardMount(mount) if settings.ui.enabled else mount
 
         tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
         tasks: list[asyncio.Task[None]] = []

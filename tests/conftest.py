@@ -13,6 +13,7 @@ pytest_plugins = [
     "support.cluster",
     "support.api",
     "support.api_process",
+    "support.ui",
 ]
 
 

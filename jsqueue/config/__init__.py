@@ -29,6 +29,7 @@ from jsqueue.config.sections import (
 )
 from jsqueue.config.settings import Settings, setting_paths
 from jsqueue.config.tls import OutboundTlsSettings, TlsReportSettings
+from jsqueue.config.ui import UiSettings
 
 __all__ = [
     "CONFIG_ENV",
@@ -49,6 +50,7 @@ __all__ = [
     "SmtpSettings",
     "TlsPolicy",
     "TlsReportSettings",
+    "UiSettings",
     "WorkerSettings",
     "env_names",
     "load_settings",

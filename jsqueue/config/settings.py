@@ -34,6 +34,7 @@ from jsqueue.config.sections import (
     WorkerSettings,
 )
 from jsqueue.config.tls import OutboundTlsSettings
+from jsqueue.config.ui import UiSettings
 
 
 def _is_list(info: FieldInfo | None) -> bool:
@@ -65,6 +66,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    ui: UiSettings = Field(default_factory=UiSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     outbound_tls: OutboundTlsSettings = Field(default_factory=OutboundTlsSettings)
     destinations: DestinationSettings = Field(default_factory=DestinationSettings)

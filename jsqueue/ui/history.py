@@ -1,0 +1,266 @@
+"""What the dashboard's overview shows over time, kept in memory so that a page view reads
+no entry at all:
+
+* :class:`DepthHistory` - queue depth by state and by destination domain, the oldest
+  entry: a background task takes a sample with one pass over the entries through
+  :meth:`jsqueue.admin.Admin.scan` (the entries ``queue stats`` counts, counted the same
+  way) at most every ``ui.sample_interval_s`` and never sooner than ten times the last
+  pass worked (so the passes cost at most a tenth of one process's time, whatever the
+  queue's size); a pass pauses as long as it worked after every 50 ms of work, so the
+  pages the process serves meanwhile stay quick. The last ``ui.history_samples`` samples
+  are kept in a ring;
+* :class:`OutcomeCounter` - recipient outcomes (delivered, deferred, bounced, expired)
+  per minute, cluster-wide: a background task follows the events stream
+  (:func:`jsqueue.events.tail`, from ``ui.outcome_minutes`` back at start) and counts
+  the events into per-minute buckets.
+
+Both are best effort: a failed pass or a lost events connection is logged and retried
+after a pause, and the overview shows how old its newest sample is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from jsqueue.admin import OPEN_STATES, Admin, EntryFilter
+from jsqueue.config import NatsSettings
+from jsqueue.envelope import EntryState, RecipientState, utcnow
+from jsqueue.errors import JsqueueError
+from jsqueue.events import Event, EventKind, tail
+from jsqueue.names import Names
+
+log = logging.getLogger("jsqueue.ui")
+
+#: A pass is repeated after at least this many times its own duration (cost bound: 10 %).
+COST_FACTOR = 10.0
+#: Destination domains kept per sample (the ones with most open recipients).
+TOP_DOMAINS = 10
+#: Pause after a failed pass or a lost events connection, seconds.
+RETRY_PAUSE_S = 5.0
+#: Work of a depth pass between two pauses of the same length, seconds.
+SLICE_S = 0.05
+#: The recipient outcomes counted per minute, in the order the overview shows them.
+OUTCOMES = (EventKind.DELIVERED, EventKind.DEFERRED, EventKind.BOUNCED, EventKind.EXPIRED)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One depth sample.
+
+    Attributes:
+        at: when the pass ended, aware UTC.
+        entries: queued messages (what ``queue ls`` lists).
+        by_state: queued messages by derived state.
+        by_domain: open recipients of the :data:`TOP_DOMAINS` busiest destination domains.
+        deferred_by_domain: of those, how many are deferred.
+        domains: destination domains with an open recipient.
+        oldest_id: the oldest queued message, or None.
+        oldest_age_s: its age at ``at``, seconds.
+        backlog: work items not settled, None if unknown.
+        took_s: how long the pass worked, seconds (its pauses left out).
+        wall_s: how long the pass took from start to end, seconds.
+    """
+
+    at: datetime
+    entries: int
+    by_state: dict[EntryState, int]
+    by_domain: dict[str, int]
+    deferred_by_domain: dict[str, int]
+    domains: int
+    oldest_id: str | None
+    oldest_age_s: float | None
+    backlog: int | None
+    took_s: float
+    wall_s: float
+
+
+class DepthHistory:
+    """A ring of :class:`Sample`, refreshed by :meth:`run`.
+
+    Args:
+        admin: the queue operations to read with (only :meth:`Admin.stats` is used).
+        interval_s: shortest time between two passes, seconds.
+        keep: samples kept.
+    """
+
+    def __init__(self, admin: Admin, *, interval_s: float, keep: int) -> None:
+        self.admin = admin
+        self.interval_s = interval_s
+        self.samples: deque[Sample] = deque(maxlen=keep)
+        self.sampled = asyncio.Event()
+        self.last_error: str | None = None
+
+    @property
+    def latest(self) -> Sample | None:
+        """The newest sample, or None before the first pass ended."""
+        return self.samples[-1] if self.samples else None
+
+    async def sample(self) -> Sample:
+        """Take one sample now and keep it: one pass over every entry in arrival order
+        (``Admin.scan``, the entries ``queue stats`` counts), yielding the event loop for
+        as long as it worked after every :data:`SLICE_S` of work, so pages served by the
+        same process meanwhile wait at most about a slice (the pass takes about twice its
+        work time; its cost bound counts the work only).
+
+        Raises:
+            StoreUnavailable: reading the entries failed.
+        """
+        loop = asyncio.get_running_loop()
+        busy = 0.0
+        started = slice_start = loop.time()
+        by_state: dict[EntryState, int] = {}
+        by_domain: dict[str, list[int]] = {}
+        oldest: tuple[datetime, str] | None = None
+        entries = 0
+        # store pages of SCAN_PAGE (10 000): each store page lists every key again
+        scan = self.admin.scan(EntryFilter(states=OPEN_STATES))
+        async with contextlib.aclosing(scan):
+            async for v in scan:
+                e = v.entry
+                entries += 1
+                by_state[e.state] = by_state.get(e.state, 0) + 1
+                if oldest is None or (e.created_at, e.id) < oldest:
+                    oldest = (e.created_at, e.id)
+                for r in e.recipients:
+                    if not r.state.is_final:
+                        counts = by_domain.setdefault(r.domain, [0, 0])
+                        counts[0] += 1
+                        counts[1] += r.state is RecipientState.DEFERRED
+                worked = loop.time() - slice_start
+                if worked >= SLICE_S:
+                    busy += worked
+                    await asyncio.sleep(worked)
+                    slice_start = loop.time()
+        busy += loop.time() - slice_start
+        try:
+            backlog: int | None = await self.admin.stores.scheduler.backlog()
+        except JsqueueError:
+            backlog = None
+        now = utcnow()
+        top = sorted(by_domain.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP_DOMAINS]
+        s = Sample(
+            at=now,
+            entries=entries,
+            by_state=by_state,
+            by_domain={d: c[0] for d, c in top},
+            deferred_by_domain={d: c[1] for d, c in top},
+            domains=len(by_domain),
+            oldest_id=oldest[1] if oldest else None,
+            oldest_age_s=(now - oldest[0]).total_seconds() if oldest else None,
+            backlog=backlog,
+            took_s=busy,
+            wall_s=loop.time() - started,
+        )
+        self.samples.append(s)
+        self.last_error = None
+        self.sampled.set()
+        return s
+
+    def next_after_s(self, took_s: float) -> float:
+        """Seconds from the start of a pass that took ``took_s`` to the next one."""
+        return max(self.interval_s, COST_FACTOR * took_s)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sample until ``stop`` is set. Never raises (failures are logged and retried)."""
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                s = await self.sample()
+                pause = self.next_after_s(s.took_s)
+            except JsqueueError as e:
+                if self.last_error is None:
+                    log.warning("dashboard depth sample failed: %s", e)
+                self.last_error = str(e)
+                pause = max(self.interval_s, RETRY_PAUSE_S)
+            remaining = pause - (time.monotonic() - started)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, remaining))
+
+
+@dataclass
+class OutcomeCounter:
+    """Recipient outcomes per minute (UTC minute → kind → count), the last ``minutes``.
+
+    Attributes:
+        minutes: minutes kept.
+        buckets: minute start → outcome → events.
+        seen: events counted in all.
+        following: True while the events stream is followed.
+    """
+
+    minutes: int
+    buckets: dict[datetime, dict[EventKind, int]] = field(default_factory=dict)
+    seen: int = 0
+    following: bool = False
+    _ids: deque[str] = field(default_factory=lambda: deque(maxlen=10_000))
+    _recent: set[str] = field(default_factory=set)
+
+    def count(self, event: Event) -> None:
+        """Count one event (outcomes only; an event id seen lately is not counted twice,
+        as after a reconnect that starts again a little earlier)."""
+        if event.kind not in OUTCOMES or event.id in self._recent:
+            return
+        if len(self._ids) == self._ids.maxlen:
+            self._recent.discard(self._ids[0])
+        self._ids.append(event.id)
+        self._recent.add(event.id)
+        minute = event.at.replace(second=0, microsecond=0)
+        bucket = self.buckets.setdefault(minute, {})
+        bucket[event.kind] = bucket.get(event.kind, 0) + 1
+        self.seen += 1
+        self._trim(utcnow())
+
+    def _trim(self, now: datetime) -> None:
+        oldest = now.replace(second=0, microsecond=0) - timedelta(minutes=self.minutes - 1)
+        for minute in [m for m in self.buckets if m < oldest]:
+            del self.buckets[minute]
+
+    def series(self, now: datetime | None = None) -> list[tuple[datetime, dict[EventKind, int]]]:
+        """Every minute of the window, oldest first, with its counts (empty minutes too)."""
+        now = now or utcnow()
+        self._trim(now)
+        last = now.replace(second=0, microsecond=0)
+        return [
+            (m, dict(self.buckets.get(m, {})))
+            for m in (last - timedelta(minutes=i) for i in range(self.minutes - 1, -1, -1))
+        ]
+
+    def totals(self, last_minutes: int = 1, now: datetime | None = None) -> dict[EventKind, int]:
+        """Outcomes of the last ``last_minutes`` minutes (the current one included)."""
+        out = dict.fromkeys(OUTCOMES, 0)
+        for _, counts in self.series(now)[-last_minutes:]:
+            for kind, n in counts.items():
+                out[kind] += n
+        return out
+
+    async def follow(
+        self,
+        settings: NatsSettings,
+        urls: list[str],
+        *,
+        names: Names | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        """Count the events stream's outcomes forever (stop by cancelling the task),
+        reconnecting after a pause when NATS fails. Raises nothing but CancelledError."""
+        since = clock() - timedelta(minutes=self.minutes)
+        while True:
+            events = tail(settings, urls, names=names, kinds=OUTCOMES, since=since)
+            try:
+                async with contextlib.aclosing(events):
+                    self.following = True
+                    async for event in events:
+                        self.count(event)
+                        since = event.at
+            except JsqueueError as e:
+                log.warning("dashboard: events stream lost (%s); again in %.0f s", e, RETRY_PAUSE_S)
+            finally:
+                self.following = False
+            await asyncio.sleep(RETRY_PAUSE_S)

@@ -1,0 +1,53 @@
+"""The dashboard's pure parts: the SVG charts, the outcome counter, the session helpers."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from jsqueue.envelope import utcnow
+from jsqueue.events import Event, EventKind
+from jsqueue.ui.charts import bar_chart, line_chart
+from jsqueue.ui.history import OutcomeCounter
+from jsqueue.ui.pages import age
+from jsqueue.ui.session import csrf_token
+
+
+def test_charts_escape_labels_and_scale() -> None:
+    svg = line_chart({"<b>evil</b>": [0.0, 5.0, 10.0]}, ("a&b", "z"), 'title "x"')
+    assert "<b>" not in svg and "&lt;b&gt;evil&lt;/b&gt;: 10" in svg
+    assert "a&amp;b" in svg and "title &quot;x&quot;" in svg
+    assert svg.count("<polyline") == 1
+    # the largest value reaches the top of the plot (y = top padding), zero the bottom
+    points = svg.split('points="')[1].split('"')[0].split()
+    assert points[-1].endswith(",8.0") and points[0].endswith(",158.0")
+    one = line_chart({"s": [3.0]}, ("", ""), "t")
+    assert "<circle" in one and "<polyline" not in one
+    bars = bar_chart([{"delivered": 2, "bounced": 1}, {}], ["delivered", "bounced"], ("", ""), "t")
+    assert bars.count("<rect") == 2 and "delivered: 2" in bars
+
+
+def test_outcome_counter_counts_per_minute_once_and_forgets_old_minutes() -> None:
+    c = OutcomeCounter(minutes=5)
+    now = utcnow()
+    e = Event(kind=EventKind.DELIVERED, queue_id="q", at=now)
+    c.count(e)
+    c.count(e)  # the same event again (a reconnect starting earlier)
+    c.count(Event(kind=EventKind.DEFERRED, queue_id="q", at=now))
+    c.count(Event(kind=EventKind.HELD, queue_id="q", at=now))  # not an outcome
+    c.count(Event(kind=EventKind.BOUNCED, queue_id="q", at=now - timedelta(minutes=10)))
+    assert c.totals(1, now) == {
+        EventKind.DELIVERED: 1,
+        EventKind.DEFERRED: 1,
+        EventKind.BOUNCED: 0,
+        EventKind.EXPIRED: 0,
+    }
+    series = c.series(now)
+    assert len(series) == 5 and series[-1][0] == now.replace(second=0, microsecond=0)
+    assert all(m >= now - timedelta(minutes=5) for m in c.buckets)
+
+
+def test_age_and_csrf() -> None:
+    assert age(None) == "-" and age(12.7) == "12s" and age(250) == "4m 10s"
+    assert age(2 * 86400 + 3 * 3600 + 5) == "2d 3h"
+    assert csrf_token("jsq_a") != csrf_token("jsq_b")
+    assert len(csrf_token("jsq_a")) == 64
