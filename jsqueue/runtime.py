@@ -36,6 +36,7 @@ from jsqueue.store.base import Stores
 from jsqueue.store.cache import CachedBodyStore
 from jsqueue.store.jetstream import open_jetstream
 from jsqueue.ui.app import DashboardMount
+from jsqueue.ui.pages import destination_rows
 from jsqueue.worker import Worker
 
 log = logging.getLogger("jsqueue")
@@ -203,7 +204,9 @@ async def run_services(
 
             def api(observer: Observer) -> ApiMount | DashboardMount:
                 mount = ApiMount(settings, stores, urls, observer)
-                return DashboardMount(mount) if settings.ui.enabled else mount
+                if not settings.ui.enabled:
+                    return mount
+                return DashboardMount(mount, destination_rows(settings, stores))
 
         tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
         tasks: list[asyncio.Task[None]] = []

@@ -228,3 +228,14 @@ class DestinationView(BaseModel):
     message_rate: str | None = None
     connection_rate: str | None = None
     queued: int | None = None
+
+
+class DestinationList(BaseModel):
+    """Every destination site the cluster holds something for (``dest ls``; HTTP
+    ``GET /api/v1/destinations``), by name.
+
+    Attributes:
+        sites: one view per site (without ``holders``).
+    """
+
+    sites: list[DestinationView]

@@ -7,6 +7,7 @@ import base64
 
 from jsqueue.envelope import EntryState
 from jsqueue.events import EventKind, tail
+from jsqueue.names import slot_key
 from support.api import ApiEnv
 from support.nats import read_body
 
@@ -134,3 +135,25 @@ async def test_openapi_document(api_env: ApiEnv) -> None:
     status, doc = await api_env.call("GET", "/api/openapi.json", role="inject")
     assert status == 200 and doc["openapi"] == "3.1.0"
     assert "/api/v1/inject" in doc["paths"] and "InjectBody" in doc["components"]["schemas"]
+
+
+async def test_destinations_as_dest_ls_and_dest_show(api_env: ApiEnv) -> None:
+    """``GET /api/v1/destinations`` and ``/destinations/{site}`` read the destinations bucket
+    as ``jsqueue dest ls`` / ``dest show`` do (role read; an inject token gets 403)."""
+    store = api_env.stores.destinations
+    assert store is not None
+    for n, owner in enumerate(("w-one", "w-one", "w-two")):
+        value: dict[str, object] = {"owner": owner, "at": 0.0}
+        assert await store.put(slot_key("busy.example.test", n), value, revision=0, ttl_s=60)
+    status, body = await api_env.call("GET", "/api/v1/destinations?queued=false", role="read")
+    assert status == 200, body
+    sites = {s["site"]: s for s in body["sites"]}
+    busy = sites["busy.example.test"]
+    assert busy["sessions"] == 3 and busy["status"] == "up" and busy["queued"] is None
+    assert busy["limit"] == api_env.settings.destinations.sessions_of("busy.example.test")
+    status, one = await api_env.call("GET", "/api/v1/destinations/busy.example.test", role="read")
+    assert status == 200 and one["holders"] == {"w-one": 2, "w-two": 1} and one["queued"] == 0
+    status, quiet = await api_env.call("GET", "/api/v1/destinations/quiet.example.test")
+    assert status == 200 and quiet["sessions"] == 0 and quiet["status"] == "up"
+    assert (await api_env.call("GET", "/api/v1/destinations", role="inject"))[0] == 403
+    assert (await api_env.call("GET", "/api/v1/destinations/a b", role="read"))[0] == 422

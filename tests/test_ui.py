@@ -5,19 +5,21 @@ its cookie, roles, CSRF, the list's filters and the message page, against a real
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from jsqueue.config import DestinationSettings
 from jsqueue.envelope import EntryState
 from jsqueue.events import NULL_OBSERVER
 from jsqueue.http.auth import TokenFile
 from jsqueue.http.context import ApiContext
+from jsqueue.names import slot_key
 from jsqueue.ui.app import Dashboard
+from jsqueue.ui.pages import destination_rows
 from jsqueue.ui.session import COOKIE, csrf_token
 from support.queue import eventually
 from support.ui import UiEnv
@@ -148,17 +150,23 @@ async def _state_is(env: UiEnv, qid: str, state: EntryState) -> bool:
     return entry is not None and entry.state is state
 
 
-async def test_destinations_only_with_a_hook(
+async def test_destinations_from_the_bucket_and_none_without_a_hook(
     ui_env: UiEnv, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    await login(ui_env, client, "read")
-    status, html = await get(client, ui_env.url + "/ui/destinations")
-    assert status == 404 and "/ui/destinations" not in (await get(client, ui_env.url + "/ui/"))[1]
-
-    async def destinations() -> list[Mapping[str, Any]]:
-        return [{"destination": "slow.example.test", "limit": 5, "state": "up"}]
-
+    """The dashboard's destinations page reads the destinations bucket (what ``dest ls``
+    shows, cluster-wide); without the hook (destination limits off) there is no page."""
     h = ui_env.harness
+    assert h.stores.destinations is not None
+    owner = {"owner": "w-elsewhere", "at": 0.0}
+    await h.stores.destinations.put(slot_key("seeded.example.test", 0), owner, revision=0, ttl_s=60)
+    await login(ui_env, client, "read")
+    status, html = await get(client, ui_env.url + "/ui/")
+    assert status == 200 and 'href="/ui/destinations"' in html
+    status, html = await get(client, ui_env.url + "/ui/destinations")
+    assert status == 200 and "seeded.example.test" in html and "<td>up</td>" in html
+
+    off = h.settings.model_copy(update={"destinations": DestinationSettings(enabled=False)})
+    assert destination_rows(off, h.stores) is None
     ctx = ApiContext(
         h.settings,
         h.stores,
@@ -167,7 +175,7 @@ async def test_destinations_only_with_a_hook(
         TokenFile(tmp_path / "tokens"),
     )
     app = web.Application()
-    Dashboard(ctx, destinations).mount(app)
+    Dashboard(ctx, None).mount(app)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -178,8 +186,8 @@ async def test_destinations_only_with_a_hook(
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as other:
             async with other.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
                 assert r.status == 200
-                assert 'href="/ui/destinations"' in await r.text()
+                assert 'href="/ui/destinations"' not in await r.text()
             status, html = await get(other, base + "/ui/destinations")
-            assert status == 200 and "slow.example.test" in html and "<td>up</td>" in html
+            assert status == 404
     finally:
         await runner.cleanup()

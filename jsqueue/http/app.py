@@ -25,6 +25,7 @@ from jsqueue.http.auth import TokenFile
 from jsqueue.http.context import ApiContext
 from jsqueue.http.models import WhoAmI
 from jsqueue.http.openapi import openapi_document
+from jsqueue.http.routes_destinations import destination_routes
 from jsqueue.http.routes_events import events_routes
 from jsqueue.http.routes_inject import inject_routes
 from jsqueue.http.routes_queue import queue_routes
@@ -37,7 +38,8 @@ _BODY_OVERHEAD = 1024 * 1024
 
 def api_routes(ctx: ApiContext) -> list[Route]:
     """Every API route over ``ctx``, the OpenAPI document's included."""
-    routes = queue_routes(ctx) + events_routes(ctx) + inject_routes(ctx)
+    routes = queue_routes(ctx) + destination_routes(ctx) + events_routes(ctx)
+    routes += inject_routes(ctx)
 
     async def whoami(call: Call) -> BaseModel:
         return WhoAmI(name=call.token.name, role=call.token.role.value)

@@ -64,6 +64,14 @@ class ListQuery(_Strict):
     limit: int = Field(100, ge=1, le=10_000, description="entries per page (api.max_page)")
 
 
+class DestinationsQuery(_Strict):
+    """Query of ``GET /api/v1/destinations`` (``jsqueue dest ls``)."""
+
+    queued: bool = Field(
+        True, description="count each site's queued work items (one request per site)"
+    )
+
+
 class EntryFilterBody(_Strict):
     """Which entries a bulk action covers (as ``queue <action>`` filters). All must hold."""
 

@@ -20,9 +20,11 @@ from typing import Any, Protocol
 
 from jsqueue.admin import Admin, EntryFilter
 from jsqueue.config import Settings
+from jsqueue.destinations_admin import list_destinations
 from jsqueue.envelope import EntryState, utcnow
 from jsqueue.events import Event, tail
 from jsqueue.names import Names, queue_id_time
+from jsqueue.store.base import DestinationStore, Stores
 from jsqueue.ui.charts import bar_chart, line_chart
 from jsqueue.ui.history import OUTCOMES, DepthHistory, OutcomeCounter
 from jsqueue.views import EntryDetail, EntrySummary
@@ -41,6 +43,22 @@ class Destinations(Protocol):
     async def __call__(self) -> list[Mapping[str, Any]]:
         """One row per destination."""
         ...
+
+
+def destination_rows(settings: Settings, stores: Stores) -> Destinations | None:
+    """The dashboard's destinations hook over the destinations bucket (what ``jsqueue dest
+    ls`` shows: sessions, limit, allowed, up / down until, throttle, rates, queued), or None
+    when destination limits are off (``destinations.enabled``) and so there is no section."""
+    store = stores.destinations
+    if not settings.destinations.enabled or store is None:
+        return None
+    found: DestinationStore = store
+
+    async def rows() -> list[Mapping[str, Any]]:
+        views = await list_destinations(found, settings.destinations)
+        return [v.model_dump(mode="json", exclude={"holders"}) for v in views]
+
+    return rows
 
 
 def age(seconds: float | None) -> str:

@@ -29,6 +29,7 @@ from jsqueue.http.app import ApiMount
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.runtime import build_worker
 from jsqueue.ui.app import DashboardMount
+from jsqueue.ui.pages import destination_rows
 from support.api import make_tokens
 from support.mx import ScriptedMx, SmtpdMx
 from support.queue import Harness
@@ -88,7 +89,8 @@ async def running_dashboard(h: Harness, nats_url: str, tokens_file: Path) -> Asy
     urls = list(settings.nats.urls)
 
     def api(observer: Observer) -> DashboardMount:
-        return DashboardMount(ApiMount(settings, h.stores, urls, observer))
+        mount = ApiMount(settings, h.stores, urls, observer)
+        return DashboardMount(mount, destination_rows(settings, h.stores))  # as runtime does
 
     async with telemetry(settings, h.stores, urls, api=api) as tel:
         assert tel.http is not None
