@@ -24,7 +24,7 @@ from jsqueue.store.jetstream.api import (
     WRONG_LAST_SEQ,
     stream_subjects,
 )
-from jsqueue.store.jetstream.provisioning import ensure_ttl_bucket
+from jsqueue.store.jetstream.provisioning import TtlBucket
 
 #: Upper bound of any key's life, seconds (the bucket's ``max_age``): a site state lives as
 #: long as its cool-off or throttle, a slot its TTL.
@@ -33,7 +33,7 @@ MAX_KEY_LIFE_S = 7 * 24 * 3600
 DELETE_MARKER_TTL = "1s"
 
 
-class JetStreamDestinations:
+class JetStreamDestinations(TtlBucket):
     """:class:`~jsqueue.store.base.DestinationStore` on the KV bucket
     :attr:`Names.destinations_bucket <jsqueue.names.Names.destinations_bucket>`,
     provisioned on first use.
@@ -45,32 +45,17 @@ class JetStreamDestinations:
         timeout_s: per-request timeout, seconds.
     """
 
+    max_age_s = MAX_KEY_LIFE_S
+
     def __init__(self, nc: NATS, names: Names, *, replicas: int = 1, timeout_s: float = 5.0):
-        self._nc = nc
-        self.js = nc.jetstream(timeout=timeout_s)
-        self.names = names
-        self.bucket = names.destinations_bucket
-        self.stream = names.destinations_stream
-        self.replicas = replicas
-        self._timeout_s = timeout_s
-        self._provisioned = False
-
-    async def provision(self) -> None:
-        """Create the bucket if missing (replica count brought in line). Idempotent.
-
-        Raises:
-            ProvisioningError: the server refused to create or update it.
-            StoreUnavailable: NATS is not reachable.
-        """
-        await ensure_ttl_bucket(
-            self._nc,
-            self.bucket,
-            self.stream,
-            replicas=self.replicas,
-            timeout_s=self._timeout_s,
-            max_age_s=MAX_KEY_LIFE_S,
+        super().__init__(
+            nc,
+            names.destinations_bucket,
+            names.destinations_stream,
+            replicas=replicas,
+            timeout_s=timeout_s,
         )
-        self._provisioned = True
+        self.names = names
 
     async def get(self, key: str) -> Keyed:
         """See :meth:`DestinationStore.get <jsqueue.store.base.DestinationStore.get>`.

@@ -15,13 +15,13 @@ from nats.aio.client import Client as NATS
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names, check_domain, kv_subject
 from jsqueue.store.jetstream.api import HDR_KV_OP, HDR_TTL, NATS_FAILURES
-from jsqueue.store.jetstream.provisioning import ensure_ttl_bucket
+from jsqueue.store.jetstream.provisioning import TtlBucket
 
 #: Longest life of a cached policy, seconds: RFC 8461 §3.2's largest max_age (one year).
 MAX_POLICY_AGE_S = 31_557_600
 
 
-class JetStreamPolicyCache:
+class JetStreamPolicyCache(TtlBucket):
     """:class:`~jsqueue.store.policies.PolicyCache` on the KV bucket
     :attr:`Names.policies_bucket <jsqueue.names.Names.policies_bucket>`, provisioned on
     first use (and again after a write finds it missing).
@@ -33,31 +33,12 @@ class JetStreamPolicyCache:
         timeout_s: per-request timeout, seconds.
     """
 
+    max_age_s = MAX_POLICY_AGE_S
+
     def __init__(self, nc: NATS, names: Names, *, replicas: int = 1, timeout_s: float = 5.0):
-        self._nc = nc
-        self.js = nc.jetstream(timeout=timeout_s)
-        self.bucket = names.policies_bucket
-        self.stream = names.policies_stream
-        self.replicas = replicas
-        self._timeout_s = timeout_s
-        self._provisioned = False
-
-    async def provision(self) -> None:
-        """Create the bucket if missing. Idempotent.
-
-        Raises:
-            ProvisioningError: the server refused to create it.
-            StoreUnavailable: NATS is not reachable.
-        """
-        await ensure_ttl_bucket(
-            self._nc,
-            self.bucket,
-            self.stream,
-            replicas=self.replicas,
-            timeout_s=self._timeout_s,
-            max_age_s=MAX_POLICY_AGE_S,
+        super().__init__(
+            nc, names.policies_bucket, names.policies_stream, replicas=replicas, timeout_s=timeout_s
         )
-        self._provisioned = True
 
     def _subject(self, domain: str) -> str:
         return kv_subject(self.bucket, check_domain(domain.lower()))

@@ -23,13 +23,13 @@ from jsqueue.store.jetstream.api import (
     NATS_FAILURES,
     WRONG_LAST_SEQ,
 )
-from jsqueue.store.jetstream.provisioning import ensure_ttl_bucket
+from jsqueue.store.jetstream.provisioning import TtlBucket
 
 #: Upper bound of any presence mark's life, seconds (the bucket's ``max_age``).
 MAX_GRACE_S = 3600
 
 
-class JetStreamPresence:
+class JetStreamPresence(TtlBucket):
     """:class:`~jsqueue.store.base.Presence` on the KV bucket
     :attr:`Names.presence_bucket <jsqueue.names.Names.presence_bucket>`, provisioned on
     first use (and again when a write finds it missing).
@@ -41,31 +41,12 @@ class JetStreamPresence:
         timeout_s: per-request timeout, seconds.
     """
 
+    max_age_s = MAX_GRACE_S
+
     def __init__(self, nc: NATS, names: Names, *, replicas: int = 1, timeout_s: float = 5.0):
-        self._nc = nc
-        self.js = nc.jetstream(timeout=timeout_s)
-        self.bucket = names.presence_bucket
-        self.stream = names.presence_stream
-        self.replicas = replicas
-        self._timeout_s = timeout_s
-        self._provisioned = False
-
-    async def provision(self) -> None:
-        """Create the bucket if missing. Idempotent.
-
-        Raises:
-            ProvisioningError: the server refused to create it.
-            StoreUnavailable.
-        """
-        await ensure_ttl_bucket(
-            self._nc,
-            self.bucket,
-            self.stream,
-            replicas=self.replicas,
-            timeout_s=self._timeout_s,
-            max_age_s=MAX_GRACE_S,
+        super().__init__(
+            nc, names.presence_bucket, names.presence_stream, replicas=replicas, timeout_s=timeout_s
         )
-        self._provisioned = True
 
     async def beat(self, owner: str, instance: str, ttl_s: float, *, first: bool = False) -> bool:
         """See :meth:`Presence.beat <jsqueue.store.base.Presence.beat>`.

@@ -340,9 +340,9 @@ async def ensure_ttl_bucket(
     max_age_s: float | None = None,
 ) -> None:
     """Create the KV bucket ``bucket`` (stream ``stream``) whose keys live by a TTL per
-    write (``Nats-TTL``, ``allow_msg_ttl``): the locks and the presence bucket. An existing
-    one is brought in line (replica count, TTLs allowed, ``max_age``). Idempotent and safe
-    from many processes at once.
+    write (``Nats-TTL``, ``allow_msg_ttl``): locks, presence, MTA-STS policies and
+    destinations. An existing one is brought in line (replica count, TTLs allowed,
+    ``max_age``). Idempotent and safe from many processes at once.
 
     Args:
         nc: a connected client.
@@ -391,3 +391,52 @@ async def ensure_ttl_bucket(
             await api_request(nc, f"STREAM.UPDATE.{stream}", {**config, **wanted}, timeout_s)
         except ApiError as e:
             raise ProvisioningError(f"stream {stream}: cannot update: {e}") from e
+
+
+class TtlBucket:
+    """A KV bucket whose keys live by a TTL per write (:func:`ensure_ttl_bucket`),
+    provisioned on first use: the common part of the presence, MTA-STS policy and
+    destinations adapters.
+
+    Attributes:
+        max_age_s: longest life of any key, seconds (the bucket's ``max_age``); unbounded
+            when None. Set by each subclass.
+
+    Args:
+        nc: a connected client.
+        bucket: the KV bucket name.
+        stream: its stream (``KV_<bucket>``).
+        replicas: replica count of the bucket.
+        timeout_s: per-request timeout, seconds.
+    """
+
+    max_age_s: float | None = None
+
+    def __init__(
+        self, nc: NATS, bucket: str, stream: str, *, replicas: int = 1, timeout_s: float = 5.0
+    ) -> None:
+        self._nc = nc
+        self.js = nc.jetstream(timeout=timeout_s)
+        self.bucket = bucket
+        self.stream = stream
+        self.replicas = replicas
+        self._timeout_s = timeout_s
+        self._provisioned = False
+
+    async def provision(self) -> None:
+        """Create the bucket if missing (replica count, TTLs and ``max_age`` brought in
+        line). Idempotent.
+
+        Raises:
+            ProvisioningError: the server refused to create or update it.
+            StoreUnavailable: NATS is not reachable.
+        """
+        await ensure_ttl_bucket(
+            self._nc,
+            self.bucket,
+            self.stream,
+            replicas=self.replicas,
+            timeout_s=self._timeout_s,
+            max_age_s=self.max_age_s,
+        )
+        self._provisioned = True
