@@ -193,23 +193,24 @@ async def test_everything_is_replicated_three_times(
         await rec.close()
 
 
-async def test_scaling_an_async_events_stream_to_three_replicas_is_refused_by_name(
+async def test_scaling_an_async_stream_to_three_replicas_is_refused_by_name(
     nats_cluster: EmbeddedCluster, cluster_settings: NatsSettings, names: Names
 ) -> None:
-    """A queue started with nats.replicas = 1 on a cluster has an async events stream (no
-    fsync per event); the server cannot replicate that mode, so raising nats.replicas to 3
-    stops the start with one line naming the events stream and the setting (the streams
-    provisioned before it are scaled to 3; the events stream must be recreated)."""
+    """A queue started with nats.replicas = 1 on a cluster has async work and events
+    streams (no fsync per write); the server cannot replicate that mode, so raising
+    nats.replicas to 3 stops the start with one line naming the first such stream and what
+    to do (the streams provisioned before it are scaled to 3; it must be recreated)."""
     single = cluster_settings.model_copy(update={"replicas": 1})
     stores = await open_jetstream(single, names=names)
     await stores.close()
     with pytest.raises(ProvisioningError) as refused:
         stores = await open_jetstream(cluster_settings, names=names)
         await stores.close()
-    assert str(refused.value).startswith(
-        f"stream {names.events_stream}: num_replicas is 1, want 3; the server refused"
-    ), refused.value
-    assert "\n" not in str(refused.value)
+    text = str(refused.value)
+    assert text.startswith(
+        f"stream {names.work_stream}: num_replicas is 1, want 3; the server refused"
+    ), text
+    assert "cannot be replicated: delete it" in text and "\n" not in text
 
 
 async def test_cli_runs_a_local_cluster(tmp_path: Path, names: Names) -> None:

@@ -247,8 +247,16 @@ async def _ensure_stream(
                     if de.code != 404:
                         raise ProvisioningError(f"stream {name}: cannot delete: {de}") from de
                 continue
+            hint = ""
+            if info["config"].get("persist_mode") == "async" and "num_replicas" in diff:
+                # persist_mode is fixed at creation and a replicated stream cannot be async
+                hint = (
+                    "; an async stream (no fsync per write) cannot be replicated: delete it "
+                    "to have it created again with the new replica count (work items are "
+                    "put back by the reconciler, events are lost)"
+                )
             raise ProvisioningError(
-                f"{_diff_text('stream', name, diff)}; the server refused the update: {e}"
+                f"{_diff_text('stream', name, diff)}; the server refused the update: {e}{hint}"
             ) from e
         left = _differences(resp["config"], wanted)
         if left:
