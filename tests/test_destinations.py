@@ -217,7 +217,9 @@ async def test_killed_worker_slots_free_within_ttl(
             view = await show_destination(store, q.settings.destinations, site)
             assert view.sessions == limit and sum(view.holders.values()) == limit
             # the same through the command line
-            env = {**queue_env(nats_server, names), "JSQUEUE_DESTINATIONS__SESSIONS": str(limit)}
+            # the workers' settings: a command run with other ones (the default 60 s ack
+            # wait) would bring the work consumer in line with them
+            env = {**queue_env(nats_server, names), **jsqueue_env(q.settings)}
             shown = await jsqueue("dest", "show", site, env=env)
             assert shown.code == 0, shown.err
             assert f"sessions:         {limit} open of {limit}" in shown.out
@@ -243,9 +245,9 @@ async def test_killed_worker_slots_free_within_ttl(
                 v = await show_destination(store, q.settings.destinations, site)
                 return v.holders.get(survivor, 0) > before
 
-            await eventually(taken, timeout_s=75, what="the survivor takes a freed slot")
+            await eventually(taken, timeout_s=20, what="the survivor takes a freed slot")
             hold.set()
-            await eventually(lambda: len(delivered(mx)) == 30, timeout_s=60, what="all")
+            await eventually(lambda: len(delivered(mx)) == 30, timeout_s=20, what="all")
     assert took <= ttl + 1.5, f"slots freed after {took:.1f} s, TTL {ttl} s"
     assert mx.peak <= limit
 
