@@ -17,6 +17,7 @@ from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
 from jsqueue.delivery.dkim import load_keys
+from jsqueue.delivery.policy.certs import check_ca_files
 from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.policy.reporting import TlsReporter, report_loop
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
@@ -176,7 +177,8 @@ async def run_services(
     Raises:
         StoreUnavailable: NATS unreachable at start.
         ConfigError: no NATS URL, unusable front-end TLS or auth file settings, or an
-            unusable ``worker.dkim`` key.
+            unusable ``worker.dkim`` key or CA bundle (``worker.tls_ca_file``,
+            ``outbound_tls.mta_sts_ca_file``).
         ProvisioningError: a stream, bucket or consumer cannot be brought in line.
         OSError: the SMTP or HTTP listen address cannot be bound (a :class:`ListenError`).
         JsqueueError: the embedded nats-server is missing or cannot start (port taken), or
@@ -184,6 +186,7 @@ async def run_services(
     """
     if worker:
         load_keys(settings.worker.dkim)  # a bad DKIM key stops the start before anything runs
+        check_ca_files(settings)  # so does a CA bundle that cannot be read
     nats_died = False
 
     def on_nats_exit() -> None:

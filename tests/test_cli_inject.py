@@ -112,6 +112,10 @@ async def test_inject_exit_statuses(nats_server: EmbeddedNats, names: Names) -> 
     assert (await run("inject", "--no-such-option", "a@b.example", env=env))[0] == 64
     assert (await run("inject", "-f", "not a mailbox", "a@b.example", env=env))[0] == 64
     assert (await run("inject", "not-an-address", env=env, stdin=MESSAGE))[0] == 67
+    # a bad To: with -t names the address and what is wrong, not a pydantic header line
+    code, _, err = await run("inject", "-t", env=env, stdin=b"To: bad <<x>\nSubject: x\n\nx\n")
+    assert code == 67, err
+    assert "validation error" not in err and "recipient 'x'" in err, err
     code, _, err = await run("inject", "a@b.example", env=env, stdin=b"Subject: x\r\rbad\n")
     assert code == 65 and "bare CR" in err
     code, _, err = await run("inject", "a@b.example", env=env, stdin=b"x" * 1200 + b"\n")

@@ -125,6 +125,24 @@ INVALID = [
     pytest.param(
         {}, '[http]\nhost = ""\n', r"http\.host: .*not a host name or IP address", id="empty-host"
     ),
+    pytest.param(
+        {"JSQUEUE_WORKER__NAMESERVERS": "resolver.example.test"},
+        None,
+        r"worker\.nameservers: .*not an IP address",
+        id="nameserver-name",
+    ),
+    pytest.param(
+        {"JSQUEUE_OUTBOUND_TLS__DNSSEC_NAMESERVERS": "unbound"},
+        None,
+        r"outbound_tls\.dnssec_nameservers: .*not an IP address",
+        id="dnssec-nameserver-name",
+    ),
+    pytest.param(
+        {"JSQUEUE_OUTBOUND_TLS__DANE": "true"},
+        None,
+        r"outbound_tls\.dane .*outbound_tls\.dnssec_nameservers",
+        id="dane-without-resolver",
+    ),
     pytest.param({}, "[worker\nmx_port = \n", r"config file .*jsqueue\.toml: ", id="toml-bad"),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
 ]

@@ -189,6 +189,32 @@ async def test_retries_with_one_key_are_stored_once(api_harness: tuple[Harness, 
     assert first[1]["queue_id"] != second[1]["queue_id"]
 
 
+async def test_one_key_with_a_different_request_is_refused(
+    api_harness: tuple[Harness, ApiEnv],
+) -> None:
+    """An Idempotency-Key reused for another request (other recipients or content) is
+    422 and stores nothing, never a 202 "duplicate" naming the first message (which would
+    drop the second silently); the same request again still gets the first id."""
+    _, api = api_harness
+    key = {"Idempotency-Key": "invoice-4711"}
+    status, first = await api.call(
+        "POST", "/api/v1/inject", role="inject", json=body(), headers=key
+    )
+    assert status == 202 and not first["duplicate"]
+    other = body(recipients=[{"address": "carol@dest.example.test"}])
+    status, refused = await api.call(
+        "POST", "/api/v1/inject", role="inject", json=other, headers=key
+    )
+    assert status == 422, refused
+    assert "Idempotency-Key" in refused["detail"]
+    status, again = await api.call(
+        "POST", "/api/v1/inject", role="inject", json=body(), headers=key
+    )
+    assert status == 202 and again["duplicate"] and again["queue_id"] == first["queue_id"]
+    status, page = await api.call("GET", "/api/v1/queue", role="read")
+    assert {e["id"] for e in page["entries"]} <= {first["queue_id"]}, page
+
+
 async def test_limits_as_at_the_smtp_front_end(api_harness: tuple[Harness, ApiEnv]) -> None:
     h, api = api_harness
     limit = h.settings.smtp.max_message_size

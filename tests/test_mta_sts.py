@@ -6,6 +6,9 @@ cluster-wide cache on a real nats-server. CASE-20 variant E runs under a real po
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -402,3 +405,32 @@ async def test_concurrent_lookups_share_one_fetch(
     found = await asyncio.gather(*(engine.sts.lookup("strict.example.test") for _ in range(10)))
     assert policy_server.hits == 1
     assert all(f.policy is not None and f.policy.id == "20260301T000000" for f in found)
+
+
+@pytest.mark.parametrize(
+    "variable", ["JSQUEUE_OUTBOUND_TLS__MTA_STS_CA_FILE", "JSQUEUE_WORKER__TLS_CA_FILE"]
+)
+def test_worker_with_an_unusable_ca_file_stops_at_start_with_one_line(
+    tmp_path: Path, variable: str
+) -> None:
+    """A CA bundle that is missing or holds no certificate stops ``jsqueue worker`` before
+    it connects anywhere (exit 2, one line naming the setting), rather than failing every
+    verified delivery later as ``certificate-not-trusted`` (no NATS runs for this test)."""
+    setting = variable.removeprefix("JSQUEUE_").lower().replace("__", ".")
+    empty = tmp_path / "empty.pem"
+    empty.write_text("no certificate here\n")
+    for path, why in ((tmp_path / "gone.pem", "No such file"), (empty, "")):
+        env = {**os.environ, "JSQUEUE_NATS__URLS": '["nats://127.0.0.1:9"]', variable: str(path)}
+        env.pop("JSQUEUE_CONFIG", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "jsqueue", "worker"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"jsqueue: invalid configuration: {setting} {path}: "), last
+        assert why in last, last

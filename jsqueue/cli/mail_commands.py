@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
 
+import pydantic
 import typer
 import uvloop
 
@@ -227,8 +228,15 @@ def _inject_main(argv: list[str]) -> int:
                 f"jsqueue inject: -N {args.notify}: never, success, failure, delay", err=True
             )
             return EX_USAGE
+    specs: list[RecipientSpec] = []
+    for a in addresses:
+        try:
+            specs.append(RecipientSpec(address=a, notify=notify))
+        except pydantic.ValidationError as e:
+            why = "; ".join(str(err["msg"]) for err in e.errors())
+            typer.echo(f"jsqueue inject: recipient {a!r}: {why}", err=True)
+            return EX_NOUSER
     try:
-        specs = [RecipientSpec(address=a, notify=notify) for a in addresses]
         env = checked_envelope(sender, specs, max_recipients=settings.smtp.max_recipients)
     except (RequestRejected, ValueError) as e:
         typer.echo(f"jsqueue inject: {str(e).splitlines()[0]}", err=True)

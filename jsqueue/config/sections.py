@@ -12,6 +12,7 @@ from pydantic import (
     BeforeValidator,
     Field,
     SecretStr,
+    field_validator,
 )
 
 from jsqueue.config.base import _Section
@@ -84,6 +85,23 @@ def _host(value: object) -> object:
 
 
 Host = Annotated[str, BeforeValidator(_host)]
+
+
+def _ip(value: object) -> object:
+    """An IP address (a resolver to ask: dnspython takes no host names), stripped.
+
+    Raises:
+        ValueError: not an IP address (e.g. a host name, or ``addr:port``).
+    """
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        ip_address(text)
+    except ValueError:
+        hint = "; the port is a setting of its own" if text.count(":") == 1 else ""
+        raise ValueError(f"not an IP address: {value!r}{hint}") from None
+    return text
 
 
 class NatsSettings(_Section):
@@ -223,6 +241,16 @@ class WorkerSettings(_Section):
         None, description="relay everything through this host instead of MX lookup"
     )
     dkim: DkimSettings = Field(default_factory=DkimSettings, description="DKIM signing")
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, value: list[str]) -> list[str]:
+        """Each an IP address (the resolver takes no host names), stripped.
+
+        Raises:
+            ValueError: one is not an IP address.
+        """
+        return [str(_ip(v)) for v in value]
 
 
 class RetrySettings(_Section):

@@ -75,6 +75,14 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> Settings:
         if (self.smtp.tls_cert is None) != (self.smtp.tls_key is None):
             raise ValueError("smtp.tls_cert and smtp.tls_key must be set together")
+        tls = self.outbound_tls
+        if tls.dane and not (tls.dnssec_nameservers or self.worker.nameservers):
+            # DANE trusts a resolver's AD bit (RFC 7672 §1.3); with none configured every
+            # DNSSEC lookup is bogus and every MX deferred.
+            raise ValueError(
+                "outbound_tls.dane needs a validating resolver: set "
+                "outbound_tls.dnssec_nameservers (or worker.nameservers)"
+            )
         return self
 
     @classmethod

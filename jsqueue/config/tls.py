@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from jsqueue.config.base import _Section
-from jsqueue.config.sections import _host
+from jsqueue.config.sections import _ip
 
 
 class TlsReportSettings(_Section):
@@ -77,9 +77,9 @@ class OutboundTlsSettings(_Section):
     @field_validator("dnssec_nameservers")
     @classmethod
     def _addresses(cls, value: list[str]) -> list[str]:
-        """Each a host address; the order kept, repeats dropped (each is asked in turn).
+        """Each an IP address; the order kept, repeats dropped (each is asked in turn).
 
         Raises:
-            ValueError: one is not a host name or IP address.
+            ValueError: one is not an IP address (the resolver takes no host names).
         """
-        return list(dict.fromkeys(str(_host(v)) for v in value))
+        return list(dict.fromkeys(str(_ip(v)) for v in value))

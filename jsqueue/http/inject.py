@@ -15,7 +15,11 @@ Idempotency (``Idempotency-Key``, scoped to the token's name, ``api.idempotency_
    requests with the same key race for one claim; the loser waits (up to
    ``smtp.store_timeout_s``) for the winner's stored record and answers with its id; if
    the winner failed (no stored record comes), the loser takes the claim over and stores;
-3. a different key never merges: SMTP's content-based resend protection is off here.
+3. a different key never merges: SMTP's content-based resend protection is off here;
+4. the same key with a different request (another envelope or message: the request's
+   SHA-256 ``fingerprint`` differs) is refused with :class:`RequestRejected` (HTTP 422, as
+   draft-ietf-httpapi-idempotency-key-header §2.7 has it) and stores nothing, rather than
+   answering with the first queue id and dropping the second message.
 
 Requests with the same key are also serialised within one process (a lock per key). The
 records live in the NATS servers' memory (the ingest log): a full NATS restart forgets
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 from jsqueue.config import Settings
 from jsqueue.envelope import utcnow
-from jsqueue.errors import EntryNotFound, StoreUnavailable
+from jsqueue.errors import EntryNotFound, RequestRejected, StoreUnavailable
 from jsqueue.events import Event, Observer
 from jsqueue.frontend.ingest import Ingest, NotQueued, Submission
 from jsqueue.frontend.received import received_header
@@ -90,12 +94,22 @@ class Submitter:
         return cls(token.name, token.source, client_ip)
 
 
-def _keys(who: Submitter, idempotency_key: str) -> tuple[str, str]:
-    """(claim key, stored key) in the ingest log: SHA-256 hex of the submitter and key."""
+def _keys(who: Submitter, idempotency_key: str, fingerprint: str) -> tuple[str, str, str]:
+    """(claim key, stored key, stored-for-this-request key) in the ingest log: SHA-256 hex
+    of the submitter and key (and, for the last, the request's fingerprint)."""
     base = b"\0".join([b"jsqueue-http", who.name.encode(), idempotency_key.encode()])
     return (
         hashlib.sha256(base + b"\0claim").hexdigest(),
         hashlib.sha256(base + b"\0stored").hexdigest(),
+        hashlib.sha256(base + b"\0stored\0" + fingerprint.encode()).hexdigest(),
+    )
+
+
+def _reused(idempotency_key: str, queue_id: str) -> str:
+    """The 422 detail of a key reused for a different request."""
+    return (
+        f"Idempotency-Key {idempotency_key!r} was used for a different request "
+        f"(queued as {queue_id}); use a new key for a new message"
     )
 
 
@@ -138,6 +152,7 @@ class Injector:
         who: Submitter,
         *,
         idempotency_key: str | None = None,
+        fingerprint: str = "",
     ) -> InjectResult:
         """Store ``tx`` durably and return its queue id.
 
@@ -146,6 +161,8 @@ class Injector:
             who: the caller (the ingest's ``auth_user``, the events' source, the
                 ``Received:`` field's client).
             idempotency_key: the ``Idempotency-Key`` header, or None.
+            fingerprint: a digest of the request (hex): a retry with the same key must
+                carry the same one.
 
         Returns:
             the queue id; ``duplicate`` when an earlier request with the same key stored it.
@@ -153,21 +170,30 @@ class Injector:
         Raises:
             NotQueued: a store failed or timed out: nothing is stored (HTTP 503).
             StoreUnavailable: the ingest log could not be read or written (HTTP 503).
+            RequestRejected: the key was used for a request with another fingerprint
+                (HTTP 422); nothing is stored.
         """
         log_ = self._stores.ingest
         if idempotency_key is None or log_ is None:
             return await self._store(tx, who, new_queue_id())
-        claim, stored = _keys(who, idempotency_key)
+        claim, stored, same = _keys(who, idempotency_key, fingerprint)
         window = self._settings.api.idempotency_window_s
         async with self._serialised(claim):
-            earlier = await log_.lookup(stored, window)
+            earlier = await log_.lookup(same, window)
             if earlier is not None:
                 return self._duplicate(earlier, tx)
+            earlier = await log_.lookup(stored, window)
+            if earlier is not None:
+                raise RequestRejected(_reused(idempotency_key, earlier))
             queue_id = new_queue_id()
             other = await log_.claim(claim, queue_id, window)
             if other is not None:
                 found = await self._wait_stored(stored, other, window)
                 if found is not None:
+                    if await log_.lookup(same, window) is None and (
+                        await log_.lookup(stored, window) is not None
+                    ):
+                        raise RequestRejected(_reused(idempotency_key, found))
                     return self._duplicate(found, tx)
                 log.info("idempotency key of %s: taking over from %s", who.name, other)
                 await log_.record(claim, queue_id)
@@ -180,6 +206,7 @@ class Injector:
                     log.warning("%s: idempotency claim kept (%s)", queue_id, e)
                 raise
             try:
+                await log_.record(same, queue_id)
                 await log_.record(stored, queue_id)
             except StoreUnavailable as e:  # stored; only the resend protection is weaker
                 log.warning("%s: queued, but its idempotency record failed (%s)", queue_id, e)

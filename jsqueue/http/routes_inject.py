@@ -6,6 +6,8 @@ Limits are the front end's: ``smtp.max_message_size`` (413) and ``smtp.max_recip
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import BaseModel
 
 from jsqueue.errors import RequestRejected, StoreUnavailable
@@ -41,7 +43,8 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
         peer = call.request.remote or "127.0.0.1"
         try:
             who = Submitter.of(call.token, peer)
-            return await ctx.injector.inject(tx, who, idempotency_key=key)
+            fingerprint = hashlib.sha256(call.body.model_dump_json().encode()).hexdigest()
+            return await ctx.injector.inject(tx, who, idempotency_key=key, fingerprint=fingerprint)
         except NotQueued as e:
             raise StoreUnavailable(f"not queued: {e.reply}") from e
 
@@ -63,7 +66,8 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
                 IDEMPOTENCY_HEADER: (
                     {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern},
                     "a retry with the same key (and token) within api.idempotency_window_s "
-                    "gets the first queue id and stores nothing; a different key never merges",
+                    "gets the first queue id and stores nothing; a different key never merges; "
+                    "the same key with a different request is 422",
                 )
             },
             description="202 means stored durably (body, entry, work items), as SMTP's 250; "

@@ -23,6 +23,9 @@ from cryptography.x509.verification import (
     VerificationError,
 )
 
+from jsqueue.config import Settings
+from jsqueue.errors import ConfigError
+
 __all__ = ["Tlsa", "Verdict", "dane_verdict", "load_store", "peer_chain", "webpki_verdict"]
 
 #: DER encoding in the ``_ssl`` module (``ssl.Certificate.public_bytes``).
@@ -222,3 +225,26 @@ def dane_verdict(chain: list[x509.Certificate], records: list[Tlsa], names: list
             reasons.append(f"TLSA {r}: {why}")
     detail = "; ".join(reasons) or "no TLSA record matched the certificate chain"
     return Verdict("validation-failure", detail)
+
+
+def check_ca_files(settings: Settings) -> None:
+    """Load every configured CA bundle once (``worker.tls_ca_file``,
+    ``outbound_tls.mta_sts_ca_file``), so that a missing or empty one stops the start
+    instead of failing each verified delivery as ``certificate-not-trusted``.
+
+    Raises:
+        ConfigError: a bundle cannot be read or holds no certificate (names the setting).
+    """
+    for name, path in (
+        ("worker.tls_ca_file", settings.worker.tls_ca_file),
+        ("outbound_tls.mta_sts_ca_file", settings.outbound_tls.mta_sts_ca_file),
+    ):
+        if path is None:
+            continue
+        try:
+            certs = load_store(path)
+        except OSError as e:
+            raise ConfigError(f"{name} {path}: {e.strerror or e}") from e
+        except ValueError as e:
+            raise ConfigError(f"{name} {path}: no PEM certificate ({e})") from e
+        assert certs  # load_store raises ValueError rather than return none
