@@ -17,38 +17,26 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian packages the tests drive as real peers (installed only when missing). Postfix is
-# preseeded "No configuration": the system instance gets no main.cf and is never started;
-# tests and benchmarks run their own instances from their own config dirs. OpenDKIM's
-# service is kept from starting (policy-rc.d while installing; disabled under systemd):
-# the DKIM end-to-end test runs its own milter in the foreground.
+# Debian packages the tests drive as real peers (Postfix, swaks, Chromium, unbound, OpenDKIM),
+# given as path:package and installed in one go when their path is missing. Postfix is
+# preseeded "No configuration": the system instance gets no main.cf; a policy-rc.d (only
+# during the install, when there is none) keeps every service from starting, and unbound and
+# OpenDKIM are disabled under systemd. Tests and benchmarks run their own instances.
+TOOLS := /usr/bin/swaks:swaks /usr/sbin/postfix:postfix /usr/sbin/smtp-sink:postfix \
+  /usr/bin/chromium:chromium /usr/sbin/unbound:unbound /usr/sbin/opendkim:opendkim
+
 tools:
-	@command -v swaks >/dev/null && test -x /usr/sbin/postfix -a -x /usr/sbin/smtp-sink || { \
-	  echo "installing swaks and postfix (Debian packages) for the tests and benchmarks"; \
+	@missing=$$(for t in $(TOOLS); do test -x "$${t%%:*}" || echo "$${t##*:}"; done | sort -u); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages for the tests and benchmarks:" $$missing; \
 	  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    swaks postfix >/dev/null; }
-	@test -x /usr/bin/chromium || { \
-	  echo "installing chromium (Debian package) for the dashboard's browser test"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    chromium >/dev/null; }
-	@# unbound: the validating resolver of the DANE tests, which start their own instance; a
-	@# policy-rc.d (only for the install, when none exists) keeps the system service stopped.
-	@test -x /usr/sbin/unbound || { \
-	  echo "installing unbound (Debian package) for the DANE tests"; \
 	  rcd=/usr/sbin/policy-rc.d; made=; \
 	  if [ ! -e $$rcd ]; then printf '#!/bin/sh\nexit 101\n' > $$rcd; chmod +x $$rcd; made=1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    --no-install-recommends unbound >/dev/null; rc=$$?; \
-	  if [ -n "$$made" ]; then rm -f $$rcd; fi; exit $$rc; }
-	@test -x /usr/sbin/opendkim || { \
-	  echo "installing opendkim (Debian package), the DKIM verifier of the end-to-end tests"; \
-	  guard=; if [ ! -e /usr/sbin/policy-rc.d ]; then \
-	    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; guard=1; fi; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq opendkim >/dev/null; \
-	  rc=$$?; if [ -n "$$guard" ]; then rm -f /usr/sbin/policy-rc.d; fi; \
-	  if [ -d /run/systemd/system ]; then systemctl disable opendkim >/dev/null 2>&1; fi; \
-	  exit $$rc; }
+	    $$missing >/dev/null; rc=$$?; \
+	  if [ -n "$$made" ]; then rm -f $$rcd; fi; \
+	  if [ -d /run/systemd/system ]; then systemctl disable unbound opendkim >/dev/null 2>&1; fi; \
+	  exit $$rc; fi
 
 run: install
 	$(BIN)/jsqueue up
