@@ -9,7 +9,8 @@ What is shared, per site (keys in :mod:`jsqueue.names`):
 * session slots ``slot.<site>.<n>``, ``n`` below the site's limit: a worker takes one by
   create-if-absent before it opens a session, keeps it while the session runs *and* while
   its connection cache keeps that session idle, renews it by compare-and-set every third
-  of ``slot_ttl_s`` and deletes it when no session of its own needs it. A worker killed with
+  of ``slot_ttl_s`` and deletes it at such a renewal when no session of its own needs it
+  any more (not per delivery: that cost two writes per message). A worker killed with
   SIGKILL renews nothing: its slots expire by TTL within ``slot_ttl_s`` seconds.
 * GCRA buckets ``rate.<site>.msg`` / ``rate.<site>.conn``: one theoretical arrival time
   each, advanced by compare-and-set.
@@ -444,8 +445,11 @@ class Destinations:
         RFC 5321 §4.2.2 421) halves the site's sessions for ``throttle_hold_s``; a
         connection-level failure counts towards ``dead_after`` and a site that reaches it
         is down for ``cool_off_s`` (RFC 5321 §4.5.4.1; event ``site_down``); a session that
-        got an answer clears the count (event ``site_up`` when the site was down). Then
-        slots no session of this worker needs are released. Never raises.
+        got an answer clears the count (event ``site_up`` when the site was down). Slots no
+        session of this worker needs any more are kept until the next :meth:`renew` (every
+        ``slot_ttl_s / 3``), not released here: the next delivery mostly needs one again,
+        and a release per message cost two KV writes per message (``bench/README.md``,
+        Destinations). Never raises.
         """
         if not admission.go:
             return
@@ -458,7 +462,8 @@ class Destinations:
             log.warning("site %s: could not record feedback: %s", site.name, e)
         finally:
             await self._drop_probe(site, admission.probe)
-            await self._trim(site)
+            if site.waiters:
+                site.freed.set()
 
     async def _feedback(self, site: _Site, attempt: Attempt) -> None:
         s = self.settings

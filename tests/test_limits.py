@@ -217,7 +217,10 @@ async def test_limit_holds_across_two_workers_sharing_the_store() -> None:
     refused = await b.admit("x.test")
     assert not refused.go and refused.reason == "full" and refused.delay_s > 0
     assert len(await store.keys("slot.")) == 3
-    await a.done(got[0], OK)  # no idle session kept: the slot goes back
+    await a.done(got[0], OK)  # no idle session kept: the slot is not needed any more
+    assert len(await store.keys("slot.")) == 3  # kept until the next renewal (no churn)
+    await a.renew()  # every slot_ttl_s / 3: unneeded slots go back
+    assert len(await store.keys("slot.")) == 2
     await asyncio.sleep(FULL_MEMO_S + 0.1)  # b remembers "full" that long (no scan)
     assert (await b.admit("x.test")).go
 
