@@ -4,6 +4,7 @@ its cookie, roles, CSRF, the list's filters and the message page, against a real
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,3 +192,57 @@ async def test_destinations_from_the_bucket_and_none_without_a_hook(
             assert status == 404
     finally:
         await runner.cleanup()
+
+
+async def test_overview_samples_only_while_viewed(ui_env: UiEnv, tmp_path: Path) -> None:
+    """The depth sampler and the events follower start with the first page view and stop
+    ``ui.idle_s`` after the last one: a process whose dashboard nobody opens reads no entry
+    and no event for it (each pod of a deployment serves the dashboard)."""
+    h = ui_env.harness
+    await ui_env.submit("x@bad.example.test")  # a bounce: one outcome for the counter
+    settings = h.settings.model_copy(
+        update={"ui": h.settings.ui.model_copy(update={"idle_s": 1.0, "sample_interval_s": 0.2})}
+    )
+    tokens = TokenFile(tmp_path / "tokens")  # ui_env's
+    ctx = ApiContext(settings, h.stores, list(settings.nats.urls), NULL_OBSERVER, tokens)
+    dashboard = Dashboard(ctx, None)
+    app = web.Application()
+    dashboard.mount(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        base = f"http://{host}:{port}"
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as c:
+            async with c.get(base + "/ui/login") as r:  # the login form is not a view
+                assert r.status == 200
+            assert not dashboard.sampling.running and dashboard.sampling.starts == 0
+            assert list(dashboard.history.samples) == []
+
+            async with c.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
+                assert r.status == 200  # redirected to a page: the first view
+            assert dashboard.sampling.running and dashboard.sampling.starts == 1
+            await eventually(lambda: bool(dashboard.history.samples), what="a depth sample")
+            await eventually(
+                lambda: dashboard.outcomes.seen == 2, what="the bounce and its DSN's delivery"
+            )
+
+            await eventually(lambda: not dashboard.sampling.running, what="stopped when idle")
+            assert _ui_tasks() == set()  # sampler, follower and idle timer all ended
+
+            status, _ = await get(c, base + "/ui/")  # viewed again: a fresh start
+            assert status == 200
+            assert dashboard.sampling.running and dashboard.sampling.starts == 2
+            await eventually(lambda: bool(dashboard.history.samples), what="sampling again")
+            # the counts start afresh and are read again from the events stream: not doubled
+            await eventually(lambda: dashboard.outcomes.seen == 2, what="outcomes read again")
+    finally:
+        await runner.cleanup()
+    assert not dashboard.sampling.running
+
+
+def _ui_tasks() -> set[str]:
+    """Names of the dashboard's background tasks still running in this loop."""
+    return {n for t in asyncio.all_tasks() if (n := t.get_name()).startswith("jsqueue-ui-")}

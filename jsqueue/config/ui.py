@@ -19,6 +19,13 @@ class UiSettings(_Section):
         "over the entries each; a sample is repeated after at least ten times its own "
         "duration), seconds",
     )
+    idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="the overview's depth samples and outcome counts are taken only while "
+        "the dashboard is viewed: started by a page view, stopped this many seconds after "
+        "the last one, seconds",
+    )
     history_samples: int = Field(
         360, ge=2, le=100_000, description="depth samples kept in memory for the charts"
     )

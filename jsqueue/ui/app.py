@@ -24,7 +24,6 @@ Content-Security-Policy allowing only this origin's scripts and styles.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +43,7 @@ from jsqueue.http.auth import Role, Token
 from jsqueue.http.context import ApiContext
 from jsqueue.names import Names, check_queue_id
 from jsqueue.ui import pages
-from jsqueue.ui.history import DepthHistory, OutcomeCounter
+from jsqueue.ui.history import DepthHistory, OutcomeCounter, Sampling
 from jsqueue.ui.session import clear_login, csrf_ok, csrf_token, logged_in, set_login
 from jsqueue.views import Action, Outcome
 
@@ -95,6 +94,13 @@ class Dashboard:
             reader, interval_s=self.ui.sample_interval_s, keep=self.ui.history_samples
         )
         self.outcomes = OutcomeCounter(self.ui.outcome_minutes)
+        names = Names(self.settings.nats.prefix)
+        self.sampling = Sampling(
+            self.history,
+            self.outcomes,
+            lambda: self.outcomes.follow(self.settings.nats, ctx.urls, names=names),
+            idle_s=self.ui.idle_s,
+        )
         self.env = jinja2.Environment(
             loader=jinja2.PackageLoader("jsqueue.ui", "templates"),
             autoescape=True,
@@ -124,21 +130,9 @@ class Dashboard:
         app.cleanup_ctx.append(self._background)
 
     async def _background(self, app: web.Application) -> AsyncIterator[None]:
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(self.history.run(stop), name="jsqueue-ui-depth")
-        names = Names(self.settings.nats.prefix)
-        follower = asyncio.create_task(
-            self.outcomes.follow(self.settings.nats, self.ctx.urls, names=names),
-            name="jsqueue-ui-outcomes",
-        )
+        """Nothing runs until a page is viewed (:class:`Sampling`); stop it on shutdown."""
         yield
-        # a pass over a large queue takes long: cancel it rather than wait for its end
-        stop.set()
-        for task in (follower, sampler):
-            task.cancel()
-        for task in (follower, sampler):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.sampling.close()
 
     def render(
         self, request: web.Request, template: str, status: int = 200, **values: Any
@@ -164,6 +158,7 @@ class Dashboard:
                     return self.render(request, "error.html", 401, message="Log in first.")
                 return _redirect("/ui/login?" + urlencode({"next": request.path_qs}))
             request[SESSION_KEY] = session
+            self.sampling.viewed()
             try:
                 return await handler(request)
             except StoreError as e:

@@ -16,6 +16,12 @@ no entry at all:
 
 Both are best effort: a failed pass or a lost events connection is logged and retried
 after a pause, and the overview shows how old its newest sample is.
+
+:class:`Sampling` runs the two only while somebody looks: the first page view starts them,
+and ``ui.idle_s`` seconds after the last one they stop. Every process with an HTTP endpoint
+serves the dashboard (each pod of a deployment), and a sampler that ran regardless would
+read every entry every few seconds and every event in each of them, whether the dashboard
+is open or not.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -202,6 +208,13 @@ class OutcomeCounter:
     _ids: deque[str] = field(default_factory=lambda: deque(maxlen=10_000))
     _recent: set[str] = field(default_factory=set)
 
+    def reset(self) -> None:
+        """Forget every count (a new run of :class:`Sampling` reads them again)."""
+        self.buckets.clear()
+        self.seen = 0
+        self._ids.clear()
+        self._recent.clear()
+
     def count(self, event: Event) -> None:
         """Count one event (outcomes only; an event id seen lately is not counted twice,
         as after a reconnect that starts again a little earlier)."""
@@ -264,3 +277,87 @@ class OutcomeCounter:
             finally:
                 self.following = False
             await asyncio.sleep(RETRY_PAUSE_S)
+
+
+class Sampling:
+    """The overview's background work (:meth:`DepthHistory.run` and ``follow``), running
+    only while the dashboard is viewed: :meth:`viewed` starts it when stopped, and it stops
+    ``idle_s`` seconds after the last :meth:`viewed`. A start begins afresh: the depth ring
+    and the outcome counts are emptied and the outcomes are read again from the events
+    stream (``outcome_minutes`` back), so the charts never join two periods across a gap.
+
+    Args:
+        history: the depth ring to fill.
+        outcomes: the outcome counter to fill.
+        follow: makes the coroutine that follows the events stream into ``outcomes``
+            (:meth:`OutcomeCounter.follow` with its settings).
+        idle_s: seconds without a view after which the work stops.
+    """
+
+    def __init__(
+        self,
+        history: DepthHistory,
+        outcomes: OutcomeCounter,
+        follow: Callable[[], Coroutine[None, None, None]],
+        *,
+        idle_s: float,
+    ) -> None:
+        self.history = history
+        self.outcomes = outcomes
+        self._follow = follow
+        self.idle_s = idle_s
+        self._seen = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        """Whether the sampler and the follower run now."""
+        return bool(self._tasks)
+
+    def viewed(self) -> None:
+        """A page was viewed: keep the work running ``idle_s`` more, or start it (needs a
+        running event loop). Idempotent within a run."""
+        self._seen.set()
+        if self._tasks:
+            return
+        self.history.samples.clear()
+        self.history.sampled.clear()
+        self.outcomes.reset()
+        self._stop = asyncio.Event()
+        self.starts += 1
+        log.info("dashboard viewed: sampling until %.0f s after the last view", self.idle_s)
+        self._tasks = [
+            asyncio.create_task(self.history.run(self._stop), name="jsqueue-ui-depth"),
+            asyncio.create_task(self._follow(), name="jsqueue-ui-outcomes"),
+            asyncio.create_task(self._idle(), name="jsqueue-ui-idle"),
+        ]
+
+    async def _idle(self) -> None:
+        """Wait until ``idle_s`` passed since the last view, then stop the others."""
+        while True:
+            self._seen.clear()
+            try:
+                await asyncio.wait_for(self._seen.wait(), self.idle_s)
+            except TimeoutError:
+                break
+        log.info("dashboard not viewed for %.0f s: sampling stopped", self.idle_s)
+        tasks, self._tasks = self._tasks, []
+        await _cancel(self._stop, [t for t in tasks if t is not asyncio.current_task()])
+
+    async def close(self) -> None:
+        """Stop the work now (the endpoint shuts down). Idempotent."""
+        tasks, self._tasks = self._tasks, []
+        await _cancel(self._stop, tasks)
+
+
+async def _cancel(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
+    """Set ``stop`` and cancel ``tasks`` (a pass over a large queue takes long: it is not
+    waited for), then wait for them to end."""
+    stop.set()
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
