@@ -142,6 +142,8 @@ class Worker:
         self.instance = uuid.uuid4().hex
         #: (queue id, domain) this process is claiming or delivering: its in-flight set
         self._busy: set[tuple[str, str]] = set()
+        #: the entries tasks of this process work on: their writes take turns (cas.Turns)
+        self._turns = cas.Turns()
         self.clock = clock
         self.rng = rng or random.Random()
         self.ack_wait_s = ack_wait_s
@@ -300,21 +302,39 @@ class Worker:
         """:meth:`_check_claim`, and give back a site admission it did not use."""
         gate = Gate()
         try:
-            await self._check_claim(due, gate)
+            async with self._turns.working_on(due.item.queue_id) as turn:
+                await self._check_claim(due, gate, turn)
         finally:
             if self.sites is not None and gate.admission is not None:
                 await self.sites.done(gate.admission, None)
 
-    async def _check_claim(self, due: Due, gate: Gate) -> None:
+    async def _check_claim(self, due: Due, gate: Gate, turn: cas.Turn) -> None:
         """Check the item against its entry and claim the destination, read again after
         a lost compare-and-set (:data:`~jsqueue.store.cas.CAS_TRIES` reads at most, then
-        the item is tried again in a second); then deliver."""
+        the item is tried again in a second); then deliver. The check and the claim are
+        made in the entry's turn (the other domains' tasks of this process wait, so they
+        read the claim instead of losing to it); the delivery is not."""
         item = due.item
         if self.sites is not None and (early := self.sites.early(item.domain)) is not None:
             await due.retry(early.delay_s)  # its site is full: not even the entry is read
             return
+        async with turn.lock:
+            claimed = await self._claim(due, gate, turn)
+        if claimed is None:
+            return
+        key = (item.queue_id, item.domain)
+        try:
+            await self._attempt(due, claimed, gate, turn)
+        finally:
+            self._busy.discard(key)
+
+    async def _claim(self, due: Due, gate: Gate, turn: cas.Turn) -> Versioned | None:
+        """The loop of :meth:`_check_claim` (in the entry's turn): the claimed version, or
+        None when the item was settled otherwise (dropped, put back, expired, retried).
+        The item's key is in ``_busy`` when a version is returned."""
+        item = due.item
         async for read in cas.reads(self.stores.entries, item.queue_id, strict=False):
-            v = None if isinstance(read, cas.Gone) else read
+            v = None if isinstance(read, cas.Gone) else turn.saw(read)
             deleted = isinstance(read, cas.Gone) and read.deleted
             now = self.clock()
             key = (item.queue_id, item.domain)
@@ -339,7 +359,7 @@ class Worker:
                 if v is not None:
                     await self._finish(v)
                 await due.term()
-                return
+                return None
             if verdict.verdict is state.Verdict.LATER:
                 log.debug("queue %s %s: %s", item.queue_id, item.domain, verdict.reason)
                 delay_s = verdict.delay_s
@@ -348,7 +368,7 @@ class Worker:
                     # so that a worker dying now does not hold the mail for a whole lease.
                     delay_s = min(delay_s, self.settings.presence_grace_s)
                 await due.retry(delay_s)
-                return
+                return None
             assert v is not None
             expired = state.expire_all(v.entry, item.domain, now, self._policy(v.entry))
             try:
@@ -360,21 +380,21 @@ class Worker:
                     )
                     await self._finish(v)
                     await due.ack()
-                    return
+                    return None
                 if key in self._busy:  # another task of ours claimed it meanwhile
                     await due.retry(1.0)
-                    return
+                    return None
                 if self.sites is not None and gate.admission is None:
                     # before the claim: a full or dead site costs no lease write
                     gate.admission = await self.sites.admit(item.domain)
                     if not gate.admission.go:
                         await put_back(self.stores, due, v, gate.admission, self._source)
-                        return
+                        return None
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
                 old = v.entry.leases.get(item.domain)
                 self._busy.add(key)
                 try:
-                    v = await self._update(claimed, v.revision)
+                    v = turn.saw(await self._update(claimed, v.revision))
                 except BaseException:
                     self._busy.discard(key)
                     raise
@@ -390,20 +410,17 @@ class Worker:
                     old.owner,
                     old.until.isoformat(),
                 )
-            try:
-                await self._attempt(due, v, gate)
-            finally:
-                self._busy.discard(key)
-            return
+            return v
         await due.retry(1.0)
+        return None
 
-    async def _attempt(self, due: Due, claimed: Versioned, gate: Gate) -> None:
+    async def _attempt(self, due: Due, claimed: Versioned, gate: Gate, turn: cas.Turn) -> None:
         item = due.item
         entry = claimed.entry
         recipients = entry.open_recipients(item.domain)
         started = self.clock()
         held = _Held(claimed)
-        heartbeat = asyncio.create_task(self._heartbeat(due, held))
+        heartbeat = asyncio.create_task(self._heartbeat(due, held, turn))
         body = BodySource(open=layout.delivery_body(self.stores, entry), size=entry.size)
         try:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
@@ -412,10 +429,20 @@ class Worker:
         if self.sites is not None and gate.admission is not None:
             admission, gate.admission = gate.admission, None
             await self.sites.done(admission, delivery)
+        async with turn.lock:
+            await self._conclude(due, held, delivery, started, turn)
+
+    async def _conclude(
+        self, due: Due, held: _Held, delivery: Attempt, started: datetime, turn: cas.Turn
+    ) -> None:
+        """Record the attempt, log it, remove or finish the entry, settle the item (in the
+        entry's turn; the first record try is on the newest version this process knows)."""
+        item = due.item
         outcome: _Outcome | None = None
         for step, octets in enumerate(REPLY_OCTET_STEPS):
             try:
-                outcome = await self._record(held.version, item.domain, delivery, octets)
+                start = turn.latest(held.version)
+                outcome = await self._record(start, item.domain, delivery, octets, turn)
             except EntryTooLarge as e:
                 refused = e
                 continue
@@ -467,7 +494,7 @@ class Worker:
             await due.retry(recorded.retry_delay_s)
 
     async def _record(
-        self, start: Versioned, domain: str, delivery: Attempt, octets: int
+        self, start: Versioned, domain: str, delivery: Attempt, octets: int, turn: cas.Turn
     ) -> _Outcome | None:
         """Record ``delivery`` by compare-and-set, reply texts bounded to ``octets``; None
         when the entry was deleted meanwhile. The first try is on ``start`` (the claimed or
@@ -505,7 +532,8 @@ class Worker:
                     # without its body.
                     await self.stores.entries.delete(new.id, revision=v.revision)
                     return _Outcome(Versioned(new, v.revision), recorded, True, now)
-                return _Outcome(await self._update(new, v.revision), recorded, False, now)
+                written = turn.saw(await self._update(new, v.revision))
+                return _Outcome(written, recorded, False, now)
             except RevisionConflict:
                 continue
         raise AssertionError("unreachable: versions() raises when its tries run out")
@@ -587,7 +615,7 @@ class Worker:
         """Final, not a DSN (those stay, see :meth:`_finish`) and owing no DSN."""
         return entry.is_final and not entry.is_dsn and not self.notifier.owes(entry, now)
 
-    async def _heartbeat(self, due: Due, held: _Held) -> None:
+    async def _heartbeat(self, due: Due, held: _Held, turn: cas.Turn) -> None:
         """During a long SMTP session, keep the work item alive (in-progress acks) and the
         lease on the destination: renewed by compare-and-set once half of ``lease_s`` has
         run (:func:`state.renewed`), so that it never runs out under a live worker and no
@@ -600,9 +628,10 @@ class Worker:
                 await due.in_progress()
             # A renewal is no larger than the claim: a size refusal is not expected here.
             with contextlib.suppress(StoreUnavailable, EntryTooLarge):
-                await self._renew(due.item.domain, held)
+                async with turn.lock:
+                    await self._renew(due.item.domain, held, turn)
 
-    async def _renew(self, domain: str, held: _Held) -> None:
+    async def _renew(self, domain: str, held: _Held, turn: cas.Turn) -> None:
         """Renew our lease on ``domain`` in ``held`` when due; after a lost compare-and-set
         (an admin change, a DSN mark) the entry is read again and renewed at the next beat.
 
@@ -611,16 +640,17 @@ class Worker:
             EntryTooLarge: the renewed entry is too large even without an inline body (not
                 expected: a renewal is no larger than the claim).
         """
+        held.version = turn.latest(held.version)
         entry = held.version.entry
         renewed = state.renewed(entry, domain, self.owner, self.clock(), self.settings.lease_s)
         if renewed is None:
             return
         try:
-            held.version = await self._update(renewed, held.version.revision)
+            held.version = turn.saw(await self._update(renewed, held.version.revision))
         except RevisionConflict:
             fresh = await self._get(entry.id)
             if fresh is not None:
-                held.version = fresh
+                held.version = turn.saw(fresh)
 
     async def _finish(self, v: Versioned) -> None:
         """Send owed DSNs of a settled entry; delete a final entry and its body. Read again

@@ -19,7 +19,7 @@ import pytest
 
 from jsqueue.admin import Admin
 from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem, utcnow
-from jsqueue.errors import BodyNotFound
+from jsqueue.errors import BodyNotFound, RevisionConflict
 from jsqueue.events import Event, EventKind
 from jsqueue.metrics import Metrics
 from jsqueue.names import new_queue_id
@@ -759,6 +759,54 @@ async def test_delivered_entry_is_removed_by_the_compare_and_set_that_records_it
         assert await last_seq(bodies.stream) - body_writes == (0 if inline_max else 2)
         with pytest.raises(BodyNotFound):
             await h.stores.bodies.info(qid)
+
+
+async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2.3 without a worker losing compare-and-sets to itself: the work items of
+    one message's three domains arrive in one fetch and run side by side; their claims and
+    records take turns on the entry (cas.Turns), each on the newest version the others
+    wrote. So no write of theirs is refused, and the entries stream sees exactly one claim
+    and one record per domain (the last record being the removal)."""
+    h = queue_harness
+    domains = ["t1.example.test", "t2.example.test", "t3.example.test"]
+    h.dns.add("".join(one_mx(d, f"127.0.2.{21 + i}") for i, d in enumerate(domains)))
+    entries = h.stores.entries
+    assert isinstance(entries, JetStreamEntryStore)
+    update, delete = entries.update, entries.delete
+    refused: list[str] = []
+
+    async def counted_update(entry: Entry, revision: int) -> int:
+        try:
+            return await update(entry, revision)
+        except RevisionConflict:
+            refused.append(f"update at {revision}")
+            raise
+
+    async def counted_delete(queue_id: str, revision: int | None = None) -> None:
+        try:
+            await delete(queue_id, revision)
+        except RevisionConflict:
+            refused.append(f"delete at {revision}")
+            raise
+
+    monkeypatch.setattr(entries, "update", counted_update)
+    monkeypatch.setattr(entries, "delete", counted_delete)
+    mxes = [SmtpdMx(f"127.0.2.{21 + i}", h.mx_port) for i in range(len(domains))]
+    async with contextlib.AsyncExitStack() as stack:
+        for mx in mxes:
+            await stack.enter_async_context(mx)
+        qid = await h.submit(case_message("CASE-07"), [f"u@{d}" for d in domains])
+        created = (await entries.js.stream_info(entries.stream)).state.last_seq
+        async with h.running() as (worker,):  # all three items are waiting: one fetch
+            await eventually(lambda: gone(h, qid), what="delivered and removed")
+            await eventually(lambda: worker.handled == 3, what="the items settled")
+        assert [len(mx.delivered) for mx in mxes] == [1, 1, 1]
+        assert refused == []
+        writes = (await entries.js.stream_info(entries.stream)).state.last_seq - created
+        assert writes == 6, "a claim and a record per domain"
+        assert len(worker._turns) == 0, "nothing kept once the tasks are done"
 
 
 async def test_outcomes_are_recorded_through_many_concurrent_writers(

@@ -4,14 +4,20 @@ entry again and decides anew; :func:`versions` yields the versions to try (:func
 also says whether a missing entry was deleted), :func:`change` applies a pure function to
 the entry and writes the result, and :func:`growing_pause` is the random growing pause of
 contended writers, so the loop, its bound and its pauses live in one place.
+
+:class:`Turns` spares a process racing itself: the tasks of one process that write the same
+entry (a message's deliveries to several domains run side by side in a worker) take turns,
+and each starts from the newest version the others wrote instead of losing a
+compare-and-set to them. The compare-and-set still decides every write.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jsqueue.envelope import Entry
 from jsqueue.errors import EntryDeleted, EntryNotFound, RevisionConflict
@@ -190,3 +196,63 @@ async def change(
             continue
         return Changed(v, written)
     raise AssertionError("unreachable: versions() raises when its tries run out")
+
+
+@dataclass(slots=True)
+class Turn:
+    """One entry's writers within a process (see :class:`Turns`).
+
+    Attributes:
+        lock: held by the task writing the entry now (from its decision to its write).
+        newest: the newest version a task of this process read or wrote while any of them
+            worked on the entry; None before the first.
+        users: tasks working on the entry now.
+    """
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    newest: Versioned | None = None
+    users: int = 0
+
+    def latest(self, v: Versioned) -> Versioned:
+        """``v``, or the newer version another task of this process wrote since: a write at
+        ``v``'s revision would certainly lose then. Either may be stale against other
+        processes' writes; the compare-and-set tells."""
+        if self.newest is not None and self.newest.revision > v.revision:
+            return self.newest
+        return v
+
+    def saw(self, v: Versioned) -> Versioned:
+        """Note ``v`` (just written or read) if it is the newest seen; returns ``v``."""
+        if self.newest is None or v.revision > self.newest.revision:
+            self.newest = v
+        return v
+
+
+class Turns:
+    """The :class:`Turn` of each entry some task of this process works on now, kept only
+    while one does (no cache outlives the work: a version is remembered only for the tasks
+    that overlap it). Without it, a worker's deliveries of one message to two domains both
+    read revision r, both write their claim at r, and one loses: a failed write, a check of
+    it and a re-read (three requests), and the same again when both record their outcome.
+    """
+
+    def __init__(self) -> None:
+        self._turns: dict[str, Turn] = {}
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    @contextlib.asynccontextmanager
+    async def working_on(self, queue_id: str) -> AsyncIterator[Turn]:
+        """The entry's turn for the duration of the block (shared with the other tasks of
+        this process in theirs); forgotten when the last one leaves."""
+        turn = self._turns.get(queue_id)
+        if turn is None:
+            turn = self._turns[queue_id] = Turn()
+        turn.users += 1
+        try:
+            yield turn
+        finally:
+            turn.users -= 1
+            if turn.users == 0:
+                del self._turns[queue_id]
