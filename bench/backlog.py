@@ -79,7 +79,10 @@ def measure(
     workdir: Path, dns: DnsServer, sink: Sink, size: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     nats_port = free_port("127.0.0.1")
-    env = {"JSQUEUE_NATS__PORT": str(nats_port)}
+    env = {
+        "JSQUEUE_NATS__PORT": str(nats_port),
+        "JSQUEUE_NATS__MAX_ACK_PENDING": str(args.max_ack_pending),
+    }
     system = JsqueueSystem(workdir / f"b{size}", dns, sink.port, env, SINK_ADDRESSES[DOMAIN])
     print(f"{size} deferred entries ...", flush=True)
     system.start()
@@ -134,7 +137,12 @@ def main() -> None:
     parser.add_argument("--rest-s", type=float, default=10.0)
     parser.add_argument("--take-timeout-s", type=float, default=1800.0)
     parser.add_argument("--fresh-timeout-s", type=float, default=120.0)
-    parser.add_argument("--max-ack-pending", type=int, default=1_000_000)
+    parser.add_argument(
+        "--max-ack-pending",
+        type=int,
+        default=1_000_000,
+        help="nats.max_ack_pending of the jsqueue measured (the default setting's value)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -698,7 +698,8 @@ async def _populate(nats_url: str, count: int, domain: str) -> float:
     from jsqueue.replies import Reply
     from jsqueue.store.jetstream import open_jetstream
 
-    stores = await open_jetstream(NatsSettings(), [nats_url])
+    # the loader must not set the consumer back to the defaults (e.g. max_ack_pending)
+    stores = await open_jetstream(NatsSettings(), [nats_url], update=False)
     started = time.monotonic()
     now = utcnow()
     later = now + timedelta(hours=1)

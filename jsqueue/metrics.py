@@ -300,17 +300,20 @@ class QueueProbe:
     seconds); a process without a lock exports them itself. The exporter sets the backlog
     gauge at each probe and scans the entries by state (``EntryStore.count_by_state()``,
     which reads every entry: DESIGN.md §7) as often as the scan's cost allows: again after
-    ten times the last scan's duration, at least ``probe_interval_s`` and at most
-    ``depth_interval_s`` after the last one (0 = never). A queue of a few thousand
-    entries is so followed within the probe interval; a very large one at a tenth of one
-    process's time.
+    ten times the last scan's duration, at least ``probe_interval_s``, and at most
+    ``depth_interval_s`` after the last one unless that would break the cost bound (0 =
+    never). A queue of a few thousand entries is so followed within the probe interval; a
+    very large one at a tenth of one process's time. A scan runs beside the probes, not
+    between them, and has no bound of its own but its requests' timeouts: a scan of a
+    million entries takes minutes, and the probes (readiness, the exporter lock) go on
+    meanwhile.
 
     Args:
         stores: the queue.
         metrics: where the gauges live.
         probe_interval_s: seconds between backlog probes.
         depth_interval_s: longest time between depth scans, seconds; 0 disables them.
-        timeout_s: bound of one probe or scan, seconds.
+        timeout_s: bound of one probe, seconds.
         on_health: called with True / False after every probe.
         exporter: the lock that elects the exporter of the queue-wide gauges; None = this
             process exports them.
@@ -339,6 +342,7 @@ class QueueProbe:
         self.exporter = exporter
         self.ok = False
         self.exporting = False
+        self._next_scan = 0.0
 
     async def probe(self) -> bool:
         """One backlog probe, and the election of the exporter. Returns whether NATS
@@ -394,10 +398,13 @@ class QueueProbe:
         """One depth scan. Returns whether it completed. Never raises."""
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout_s):
-                counts = await self.stores.entries.count_by_state()
+            counts = await self.stores.entries.count_by_state()
         except (JsqueueError, TimeoutError, OSError) as e:
-            log.warning("queue depth scan failed: %s", e)
+            log.warning(
+                "queue depth scan failed after %.1f s: %s",
+                time.monotonic() - started,
+                str(e) or type(e).__name__,
+            )
             return False
         self.metrics.set_depth(counts, time.monotonic() - started)
         return True
@@ -405,21 +412,35 @@ class QueueProbe:
     def next_scan_after_s(self, took_s: float) -> float:
         """Seconds from a scan that took ``took_s`` seconds to the next one (see the class
         docstring)."""
-        wanted = max(self.probe_interval_s, self.SCAN_COST_FACTOR * took_s)
-        return min(wanted, self.depth_interval_s) if self.depth_interval_s > 0 else wanted
+        bound = self.SCAN_COST_FACTOR * took_s
+        wanted = max(self.probe_interval_s, bound)
+        return (
+            max(min(wanted, self.depth_interval_s), bound) if self.depth_interval_s > 0 else wanted
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Probe (and scan, while exporting) until ``stop`` is set; then release the lock."""
-        next_scan = time.monotonic()
+        """Probe (and scan beside the probes, while exporting) until ``stop`` is set; then
+        stop a scan under way and release the lock."""
+        self._next_scan = time.monotonic()
+        scan: asyncio.Task[None] | None = None
         try:
             while not stop.is_set():
                 await self.probe()
-                now = time.monotonic()
-                if self.exporting and self.depth_interval_s > 0 and now >= next_scan:
-                    await self.scan_depth()
-                    took = time.monotonic() - now
-                    next_scan = now + self.next_scan_after_s(took)
+                idle = scan is None or scan.done()
+                due = time.monotonic() >= self._next_scan
+                if self.exporting and self.depth_interval_s > 0 and due and idle:
+                    scan = asyncio.create_task(self._scan(), name="jsqueue-depth-scan")
                 with contextlib.suppress(TimeoutError):  # the interval elapsed: probe again
                     await asyncio.wait_for(stop.wait(), self.probe_interval_s)
         finally:
+            if scan is not None:
+                scan.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scan
             await self.release()
+
+    async def _scan(self) -> None:
+        """:meth:`scan_depth`, then the time of the next one."""
+        started = time.monotonic()
+        await self.scan_depth()
+        self._next_scan = started + self.next_scan_after_s(time.monotonic() - started)

@@ -274,7 +274,7 @@ async def open_admin(settings: Settings, *, events: bool = True) -> AsyncIterato
         ProvisioningError: see :func:`jsqueue.store.jetstream.provision`.
     """
     urls = nats_urls(settings)
-    stores = await open_jetstream(settings.nats, urls)
+    stores = await open_jetstream(settings.nats, urls, update=False)  # a tool: see provision
     try:
         if not events:
             yield Admin(stores, source=operator_name())
@@ -295,7 +295,7 @@ async def open_injector(settings: Settings) -> AsyncIterator[Injector]:
         ProvisioningError: see :func:`jsqueue.store.jetstream.provision`.
     """
     urls = nats_urls(settings)
-    stores = await open_jetstream(settings.nats, urls)
+    stores = await open_jetstream(settings.nats, urls, update=False)  # a tool: see provision
     try:
         async with open_publisher(settings.nats, urls) as publisher:
             yield Injector(settings, stores, publisher)

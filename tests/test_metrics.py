@@ -368,7 +368,8 @@ async def test_the_depth_gauge_follows_changes_within_the_probe_interval(
     probe = QueueProbe(js_stores, metrics, probe_interval_s=0.2, depth_interval_s=300.0)
     assert probe.next_scan_after_s(0.001) == 0.2
     assert probe.next_scan_after_s(5.0) == 50.0
-    assert probe.next_scan_after_s(60.0) == 300.0
+    assert probe.next_scan_after_s(20.0) == 200.0
+    assert probe.next_scan_after_s(60.0) == 600.0  # the cost bound over the 300 s cap
     stop = asyncio.Event()
     task = asyncio.create_task(probe.run(stop))
 
@@ -383,6 +384,64 @@ async def test_the_depth_gauge_follows_changes_within_the_probe_interval(
         await wait_until(pending(0), timeout_s=10)
         await js_stores.entries.create(make_entry())
         await wait_until(pending(1), timeout_s=10)
+    finally:
+        stop.set()
+        await task
+
+
+async def test_a_long_depth_scan_runs_beside_the_probes(
+    js_stores: Stores, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A depth scan of a large queue takes minutes (every entry is read): it runs beside
+    the probes, so the readiness probe and the exporter lock (TTL three probes) go on
+    meanwhile, and its result is exported when it ends; a failed scan says why and after
+    how long. Before, a scan ran between two probes under a 30 s bound: at a million
+    entries it never ended in time, its failure line gave no reason, and the exporter
+    lock lapsed during it."""
+    caplog.set_level(logging.INFO, logger="jsqueue.metrics")
+    await js_stores.entries.create(make_entry())
+    release = asyncio.Event()
+    count = js_stores.entries.count_by_state
+    scans = 0
+
+    async def slow_count() -> dict[EntryState, int]:
+        nonlocal scans
+        scans += 1
+        if scans == 1:
+            await release.wait()  # the first scan lasts as long as the test wants
+            return await count()
+        raise TimeoutError()  # a request of the second one times out
+
+    js_stores.entries.count_by_state = slow_count  # type: ignore[method-assign]
+    assert js_stores.lock is not None
+    lock = await js_stores.lock(names.gauges_lock_key, 0.6)  # three probes of 0.2 s
+    metrics = Metrics()
+    probed: list[bool] = []
+    probe = QueueProbe(
+        js_stores,
+        metrics,
+        probe_interval_s=0.2,
+        depth_interval_s=0.2,
+        exporter=lock,
+        on_health=probed.append,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(probe.run(stop))
+    try:
+        await eventually(lambda: scans == 1, what="a scan under way")
+        seen = len(probed)
+        await eventually(lambda: len(probed) >= seen + 5, what="five probes during the scan")
+        assert all(probed) and probe.exporting  # lock kept, ready, while the scan runs
+        assert "not here" not in caplog.text
+        pending = {"state": "pending"}
+        assert metrics.registry.get_sample_value("jsqueue_queue_entries", pending) is None
+        release.set()
+        await eventually(
+            lambda: metrics.registry.get_sample_value("jsqueue_queue_entries", pending) == 1,
+            what="the long scan's result exported",
+        )
+        await eventually(lambda: "queue depth scan failed after" in caplog.text, what="fail")
+        assert "TimeoutError" in caplog.text  # a reason, not an empty message
     finally:
         stop.set()
         await task

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,6 +209,48 @@ async def test_changed_consumer_settings_are_applied(
     changed = make_settings(ack_wait_s=9, max_ack_pending=123_456)
     second = await open_jetstream(changed, [nats_server.url], names=names)
     await second.close()
+    cc = await consumer_config(nats_server.url, names)
+    assert cc.ack_wait == 9 and cc.max_ack_pending == 123_456
+
+
+async def test_tools_create_what_is_missing_but_change_nothing(
+    nats_server: EmbeddedNats, names: Names, tmp_path: Path
+) -> None:
+    """A tool opened with other settings (``update=False``: ``jsqueue queue``, ``dest``,
+    ``inject``, a benchmark's loader, here with the defaults) leaves the work consumer and
+    the streams as the queue's processes made them: a ``jsqueue queue ls`` run without the
+    cluster's configuration must not set ``max_ack_pending`` back to the default (measured:
+    the backlog benchmark's loader did, and fresh mail stalled at the default limit). On a
+    server without the objects it creates them. The CLI goes this way: ``queue ls`` with
+    the defaults against a queue provisioned with other settings changes nothing."""
+    queue = make_settings(ack_wait_s=9, max_ack_pending=123_456, events_max_bytes=2**20)
+    first = await open_jetstream(queue, [nats_server.url], names=names)
+    await first.close()
+    tool = await open_jetstream(make_settings(), [nats_server.url], names=names, update=False)
+    await tool.close()
+    cc = await consumer_config(nats_server.url, names)
+    assert cc.ack_wait == 9 and cc.max_ack_pending == 123_456
+    nc = await connect(nats_server.url)
+    try:
+        events = await nc.jetstream().stream_info(names.events_stream)
+        assert events.config.max_bytes == 2**20
+    finally:
+        await nc.close()
+
+    fresh = Names("fresh" + names.prefix)
+    created = await open_jetstream(make_settings(), [nats_server.url], names=fresh, update=False)
+    await created.close()
+    assert (await consumer_config(nats_server.url, fresh)).max_ack_pending > 0
+
+    config = tmp_path / "jsqueue.toml"
+    config.write_text(f'[nats]\nurls = ["{nats_server.url}"]\nprefix = "{names.prefix}"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "jsqueue", "--config", str(config), "queue", "ls"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
     cc = await consumer_config(nats_server.url, names)
     assert cc.ack_wait == 9 and cc.max_ack_pending == 123_456
 

@@ -40,7 +40,7 @@ def tls_report(
         from jsqueue.store.jetstream import open_jetstream
 
         urls = nats_urls(settings)
-        stores = await open_jetstream(settings.nats, urls)
+        stores = await open_jetstream(settings.nats, urls, update=False)
         try:
             reporter = TlsReporter(settings, urls, stores)
             if dry_run:

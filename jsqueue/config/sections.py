@@ -319,7 +319,8 @@ class HttpSettings(_Section):
         ge=0,
         description="longest time between queue depth scans (they read every entry; the "
         "exporter of the queue-wide gauges scans again after 10 times a scan's duration, at "
-        "least probe_interval_s), seconds; 0 = off",
+        "least probe_interval_s, later than this when the scan took more than a tenth of "
+        "it), seconds; 0 = off",
     )
 
 

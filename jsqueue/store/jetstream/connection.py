@@ -49,9 +49,10 @@ class _Reprovision:
     cannot be applied) is logged and not retried.
     """
 
-    def __init__(self, settings: NatsSettings, names: Names) -> None:
+    def __init__(self, settings: NatsSettings, names: Names, *, update: bool = True) -> None:
         self.settings = settings
         self.names = names
+        self.update = update
         self.nc: NATS | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -66,7 +67,7 @@ class _Reprovision:
         pause = RECONNECT_WAIT_S
         while not nc.is_closed:
             try:
-                await provision(nc, self.settings, self.names)
+                await provision(nc, self.settings, self.names, update=self.update)
             except StoreUnavailable as e:
                 log.info("nats: provisioning after reconnect not possible yet: %s", e)
             except ProvisioningError as e:
@@ -148,7 +149,11 @@ async def connect_nats(
 
 
 async def open_jetstream(
-    settings: NatsSettings, urls: list[str] | None = None, *, names: Names | None = None
+    settings: NatsSettings,
+    urls: list[str] | None = None,
+    *,
+    names: Names | None = None,
+    update: bool = True,
 ) -> Stores:
     """Connect, provision and return the JetStream body store, entry store, scheduler and
     ingest log, all on one new connection. Provisioning is idempotent, and runs again after
@@ -159,6 +164,9 @@ async def open_jetstream(
         settings: the ``nats`` settings section.
         urls: server URLs; ``settings.urls`` when None (e.g. the embedded server's URL).
         names: object names; ``Names(settings.prefix)`` when None.
+        update: bring existing streams and the consumer in line with ``settings`` (the
+            queue's own processes); False for tools, which only create what is missing
+            (:func:`~jsqueue.store.jetstream.provisioning.provision`).
 
     Returns:
         the stores; ``close()`` flushes buffered acks and closes the connection.
@@ -172,10 +180,10 @@ async def open_jetstream(
     servers = list(urls or settings.urls)
     if not servers:
         raise ConfigError("nats.urls: no NATS server URL given")
-    again = _Reprovision(settings, names)
+    again = _Reprovision(settings, names, update=update)
     nc = await connect_nats(settings, servers, on_reconnected=again.trigger)
     try:
-        await provision(nc, settings, names)
+        await provision(nc, settings, names, update=update)
     except BaseException:
         await _close(nc)
         raise

@@ -195,10 +195,16 @@ async def _api_waiting(
 
 
 async def _ensure_stream(
-    nc: NATS, wanted: dict[str, Any], timeout_s: float, *, disposable: bool = False
+    nc: NATS,
+    wanted: dict[str, Any],
+    timeout_s: float,
+    *,
+    disposable: bool = False,
+    update: bool = True,
 ) -> None:
     """Create the stream, or update it to ``wanted``; a ``disposable`` stream (contents
-    that may be lost) whose update the server refuses is deleted and created anew.
+    that may be lost) whose update the server refuses is deleted and created anew. Without
+    ``update`` an existing stream is left as it is (:func:`provision`).
 
     Raises:
         ProvisioningError: the server refused to report, create, update or (disposable)
@@ -222,6 +228,9 @@ async def _ensure_stream(
                     continue  # created concurrently by another process: compare it
                 raise ProvisioningError(f"stream {name}: cannot create: {ce}") from ce
         diff = _differences(info["config"], wanted)
+        if diff and not update:
+            _left_alone("stream", name, diff)
+            return
         for field in _FIXED_AT_CREATION & diff.keys():
             log.warning(
                 "stream %s keeps %s %r (set when it was created; only a new stream can have %r)",
@@ -266,7 +275,9 @@ async def _ensure_stream(
     raise ProvisioningError(f"stream {name}: keeps changing while being provisioned")
 
 
-async def _ensure_consumer(nc: NATS, stream: str, wanted: dict[str, Any], timeout_s: float) -> None:
+async def _ensure_consumer(
+    nc: NATS, stream: str, wanted: dict[str, Any], timeout_s: float, *, update: bool = True
+) -> None:
     name = wanted["name"]
     for _ in range(3):
         try:
@@ -288,6 +299,9 @@ async def _ensure_consumer(nc: NATS, stream: str, wanted: dict[str, Any], timeou
         if config.get("backoff"):
             diff["backoff"] = (config["backoff"], None)
         if not diff:
+            return
+        if not update:
+            _left_alone("consumer", f"{stream}/{name}", diff)
             return
         new = {**config, **wanted}
         new.pop("backoff", None)
@@ -311,7 +325,15 @@ async def _ensure_consumer(nc: NATS, stream: str, wanted: dict[str, Any], timeou
     raise ProvisioningError(f"consumer {stream}/{name}: keeps changing while being provisioned")
 
 
-async def provision(nc: NATS, settings: NatsSettings, names: Names) -> None:
+def _left_alone(kind: str, name: str, diff: dict[str, tuple[Any, Any]]) -> None:
+    """Say (at debug level) that an object differing from this configuration is kept."""
+    log.debug(
+        "%s; left as it is (the front ends and workers bring it in line)",
+        _diff_text(kind, name, diff),
+    )
+
+
+async def provision(nc: NATS, settings: NatsSettings, names: Names, *, update: bool = True) -> None:
     """Create or update every stream, bucket and consumer jsqueue needs.
 
     Idempotent and safe to run from many processes at once. An existing object whose
@@ -326,6 +348,11 @@ async def provision(nc: NATS, settings: NatsSettings, names: Names) -> None:
         nc: a connected client.
         settings: replicas, consumer limits, events retention and request timeout.
         names: object names.
+        update: bring existing objects in line with ``settings``. Only the processes that
+            run the queue (front ends, workers) do: a tool (``jsqueue queue``, ``dest``,
+            ``inject``, a benchmark's loader) run with another configuration, the defaults
+            say, must not set the cluster's work consumer back to its own ``ack_wait_s`` or
+            ``max_ack_pending``. Without it, missing objects are still created.
 
     Raises:
         ProvisioningError: an object exists with settings that cannot be brought in line.
@@ -334,8 +361,9 @@ async def provision(nc: NATS, settings: NatsSettings, names: Names) -> None:
     timeout_s = settings.request_timeout_s
     for wanted in _stream_configs(settings, names):
         disposable = wanted["name"] == names.ingest_stream
-        await _ensure_stream(nc, wanted, timeout_s, disposable=disposable)
-    await _ensure_consumer(nc, names.work_stream, _consumer_config(settings, names), timeout_s)
+        await _ensure_stream(nc, wanted, timeout_s, disposable=disposable, update=update)
+    consumer = _consumer_config(settings, names)
+    await _ensure_consumer(nc, names.work_stream, consumer, timeout_s, update=update)
 
 
 async def ensure_ttl_bucket(
