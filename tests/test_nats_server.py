@@ -244,7 +244,8 @@ async def test_tools_create_what_is_missing_but_change_nothing(
 
     config = tmp_path / "jsqueue.toml"
     config.write_text(f'[nats]\nurls = ["{nats_server.url}"]\nprefix = "{names.prefix}"\n')
-    done = subprocess.run(
+    done = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "jsqueue", "--config", str(config), "queue", "ls"],
         capture_output=True,
         text=True,
