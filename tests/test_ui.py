@@ -5,6 +5,7 @@ its cookie, roles, CSRF, the list's filters and the message page, against a real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -175,21 +176,29 @@ async def test_destinations_from_the_bucket_and_none_without_a_hook(
         NULL_OBSERVER,
         TokenFile(tmp_path / "tokens"),
     )
+    async with (
+        serving(Dashboard(ctx, None)) as base,
+        aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as other,
+    ):
+        async with other.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
+            assert r.status == 200
+            assert 'href="/ui/destinations"' not in await r.text()
+        status, html = await get(other, base + "/ui/destinations")
+        assert status == 404
+
+
+@contextlib.asynccontextmanager
+async def serving(dashboard: Dashboard) -> AsyncIterator[str]:
+    """``dashboard`` alone on an HTTP endpoint of its own on 127.0.0.1; yields its URL."""
     app = web.Application()
-    Dashboard(ctx, None).mount(app)
+    dashboard.mount(app)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
         host, port = runner.addresses[0][:2]
-        base = f"http://{host}:{port}"
-        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as other:
-            async with other.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
-                assert r.status == 200
-                assert 'href="/ui/destinations"' not in await r.text()
-            status, html = await get(other, base + "/ui/destinations")
-            assert status == 404
+        yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
 
@@ -206,40 +215,32 @@ async def test_overview_samples_only_while_viewed(ui_env: UiEnv, tmp_path: Path)
     tokens = TokenFile(tmp_path / "tokens")  # ui_env's
     ctx = ApiContext(settings, h.stores, list(settings.nats.urls), NULL_OBSERVER, tokens)
     dashboard = Dashboard(ctx, None)
-    app = web.Application()
-    dashboard.mount(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        host, port = runner.addresses[0][:2]
-        base = f"http://{host}:{port}"
-        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as c:
-            async with c.get(base + "/ui/login") as r:  # the login form is not a view
-                assert r.status == 200
-            assert not dashboard.sampling.running and dashboard.sampling.starts == 0
-            assert list(dashboard.history.samples) == []
+    async with (
+        serving(dashboard) as base,
+        aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as c,
+    ):
+        async with c.get(base + "/ui/login") as r:  # the login form is not a view
+            assert r.status == 200
+        assert not dashboard.sampling.running and dashboard.sampling.starts == 0
+        assert list(dashboard.history.samples) == []
 
-            async with c.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
-                assert r.status == 200  # redirected to a page: the first view
-            assert dashboard.sampling.running and dashboard.sampling.starts == 1
-            await eventually(lambda: bool(dashboard.history.samples), what="a depth sample")
-            await eventually(
-                lambda: dashboard.outcomes.seen == 2, what="the bounce and its DSN's delivery"
-            )
+        async with c.post(base + "/ui/login", data={"token": ui_env.tokens["read"]}) as r:
+            assert r.status == 200  # redirected to a page: the first view
+        assert dashboard.sampling.running and dashboard.sampling.starts == 1
+        await eventually(lambda: bool(dashboard.history.samples), what="a depth sample")
+        await eventually(
+            lambda: dashboard.outcomes.seen == 2, what="the bounce and its DSN's delivery"
+        )
 
-            await eventually(lambda: not dashboard.sampling.running, what="stopped when idle")
-            assert _ui_tasks() == set()  # sampler, follower and idle timer all ended
+        await eventually(lambda: not dashboard.sampling.running, what="stopped when idle")
+        assert _ui_tasks() == set()  # sampler, follower and idle timer all ended
 
-            status, _ = await get(c, base + "/ui/")  # viewed again: a fresh start
-            assert status == 200
-            assert dashboard.sampling.running and dashboard.sampling.starts == 2
-            await eventually(lambda: bool(dashboard.history.samples), what="sampling again")
-            # the counts start afresh and are read again from the events stream: not doubled
-            await eventually(lambda: dashboard.outcomes.seen == 2, what="outcomes read again")
-    finally:
-        await runner.cleanup()
+        status, _ = await get(c, base + "/ui/")  # viewed again: a fresh start
+        assert status == 200
+        assert dashboard.sampling.running and dashboard.sampling.starts == 2
+        await eventually(lambda: bool(dashboard.history.samples), what="sampling again")
+        # the counts start afresh and are read again from the events stream: not doubled
+        await eventually(lambda: dashboard.outcomes.seen == 2, what="outcomes read again")
     assert not dashboard.sampling.running
 
 
