@@ -148,10 +148,14 @@ class DestinationSettings(_Section):
 
     def message_rate_of(self, site: str) -> Rate | None:
         """The message rate limit of ``site``; None = unlimited."""
-        text = self.site_message_rates.get(site, self.message_rate)
-        return None if text is None else parse_rate(text)
+        return _rate_of(self.site_message_rates, self.message_rate, site)
 
     def connection_rate_of(self, site: str) -> Rate | None:
         """The connection rate limit of ``site``; None = unlimited."""
-        text = self.site_connection_rates.get(site, self.connection_rate)
-        return None if text is None else parse_rate(text)
+        return _rate_of(self.site_connection_rates, self.connection_rate, site)
+
+
+def _rate_of(per_site: dict[str, str], default: str | None, site: str) -> Rate | None:
+    """``site``'s own rate, else ``default``, parsed (checked when the settings loaded)."""
+    text = per_site.get(site, default)
+    return None if text is None else parse_rate(text)

@@ -317,8 +317,12 @@ class Sampling:
         return bool(self._tasks)
 
     def viewed(self) -> None:
-        """A page was viewed: keep the work running ``idle_s`` more, or start it (needs a
-        running event loop). Idempotent within a run."""
+        """A page was viewed: keep the work running ``idle_s`` more, or start it.
+        Idempotent within a run.
+
+        Raises:
+            RuntimeError: no running event loop (the tasks are created on it).
+        """
         self._seen.set()
         if self._tasks:
             return
