@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     from jsqueue.replies import Reply
 
 
+def reason(e: BaseException) -> str:
+    """The text of ``e`` for a log line or reply, its class name when it has none (a bare
+    ``TimeoutError`` from ``asyncio.timeout`` says nothing of its own). Pure."""
+    return str(e) or type(e).__name__
+
+
 class JsqueueError(Exception):
     """Root of every error jsqueue raises on purpose."""
 

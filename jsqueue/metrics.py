@@ -358,7 +358,7 @@ class QueueProbe:
                 exporting = await self._elect()
         except (JsqueueError, TimeoutError, OSError) as e:
             if self.ok:
-                log.warning("NATS probe failed: %s", e)
+                log.warning("NATS probe failed: %s", str(e) or f"no answer ({type(e).__name__})")
             self.ok = False
             exporting = False
         else:

@@ -195,55 +195,94 @@ async def run_services(
             nats_died = True
             stop.set()
 
-    async with contextlib.AsyncExitStack() as stack:
-        if embedded:
-            urls = await stack.enter_async_context(embedded_nats(settings, on_nats_exit))
-        else:
-            urls = nats_urls(settings)
-        stores = await open_jetstream(settings.nats, urls)
-        stack.push_async_callback(stores.close)
-        api = None
-        if settings.api.enabled:
+    failure: BaseException | None = None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            if embedded:
+                urls = await stack.enter_async_context(embedded_nats(settings, on_nats_exit))
+            else:
+                urls = nats_urls(settings)
+            stores = await open_jetstream(settings.nats, urls)
+            stack.push_async_callback(stores.close)
+            tasks: list[asyncio.Task[None]] = []
+            stack.push_async_callback(_ended, tasks)  # before the stores close
+            api = None
+            if settings.api.enabled:
 
-            def api(observer: Observer) -> ApiMount | DashboardMount:
-                mount = ApiMount(settings, stores, urls, observer)
-                if not settings.ui.enabled:
-                    return mount
-                return DashboardMount(mount, destination_rows(settings, stores))
+                def api(observer: Observer) -> ApiMount | DashboardMount:
+                    mount = ApiMount(settings, stores, urls, observer)
+                    if not settings.ui.enabled:
+                        return mount
+                    return DashboardMount(mount, destination_rows(settings, stores))
 
-        tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
-        tasks: list[asyncio.Task[None]] = []
-        owner = "-"
-        if smtp:
-            server = await serve_smtp(
-                settings.smtp, stores, tel.observer, on_reject=tel.metrics.rejected
-            )
-            stack.push_async_callback(server.stop)
-            tel.health.set("smtp", True)
-        if worker:
-            w = build_worker(settings, stores, observer=tel.observer)
-            if w.sites is not None:
-                top = settings.destinations.metrics_sites
-                tel.metrics.registry.register(DestinationCollector(w.sites.snapshot, top))
-            owner = w.owner
-            tasks.append(asyncio.create_task(w.run(stop)))
-            tel.health.set("worker", True)
-        if worker and settings.outbound_tls.report.enabled:
-            reporter = TlsReporter(settings, urls, stores)
-            tasks.append(asyncio.create_task(report_loop(reporter, stores, stop)))
-        if worker and settings.reconciler.enabled:
-            reconciler = await open_reconciler(settings, urls)
-            stack.push_async_callback(reconciler.close)
-            tasks.append(asyncio.create_task(reconciler.run(stop)))
-        # The worker's name is the owner of its leases (``queue show``, ``queue flush``).
-        log.info("jsqueue running (smtp=%s, worker=%s, lease owner=%s)", smtp, worker, owner)
-        await stop.wait()
-        log.info("jsqueue shutting down")
-        tel.health.stopping()
-        if tasks:
-            await asyncio.gather(*tasks)
+            tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
+            owner = "-"
+            if smtp:
+                server = await serve_smtp(
+                    settings.smtp, stores, tel.observer, on_reject=tel.metrics.rejected
+                )
+                stack.push_async_callback(server.stop)
+                tel.health.set("smtp", True)
+            if worker:
+                w = build_worker(settings, stores, observer=tel.observer)
+                if w.sites is not None:
+                    top = settings.destinations.metrics_sites
+                    tel.metrics.registry.register(DestinationCollector(w.sites.snapshot, top))
+                owner = w.owner
+                tasks.append(asyncio.create_task(w.run(stop)))
+                tel.health.set("worker", True)
+            if worker and settings.outbound_tls.report.enabled:
+                reporter = TlsReporter(settings, urls, stores)
+                tasks.append(asyncio.create_task(report_loop(reporter, stores, stop)))
+            if worker and settings.reconciler.enabled:
+                reconciler = await open_reconciler(settings, urls)
+                stack.push_async_callback(reconciler.close)
+                tasks.append(asyncio.create_task(reconciler.run(stop)))
+            # The worker's name is the owner of its leases (``queue show``, ``queue flush``).
+            log.info("jsqueue running (smtp=%s, worker=%s, lease owner=%s)", smtp, worker, owner)
+            failure = await _supervise(tasks, stop)
+            tel.health.stopping()
+    except (JsqueueError, OSError) as e:
+        if not nats_died:
+            raise
+        failure = e
     if nats_died:
-        raise JsqueueError("the embedded nats-server died; stopped (start again to recover)")
+        # The root cause, whatever a role raised while its server was gone.
+        raise JsqueueError(
+            "the embedded nats-server died; stopped (start again to recover)"
+        ) from failure
+    if failure is not None:
+        raise failure
+
+
+async def _ended(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the role tasks still running (a later part of the start failed) and wait
+    for all of them; their errors are the first failure's consequences, not reported."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _supervise(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> BaseException | None:
+    """Wait until ``stop`` is set or a role task (worker, reconciler, TLS reports) ends by
+    itself, which sets ``stop``: the process then shuts down instead of running on without
+    that role (a supervisor restarts it). Every task is awaited to its end.
+
+    Returns:
+        The first error a task ended with (None when all ended cleanly), for the caller to
+        raise after the orderly shutdown.
+    """
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    ended = [t for t in tasks if t.done()]
+    if ended and not stop.is_set():
+        error = next((t.exception() for t in ended if not t.cancelled()), None)
+        log.error("a jsqueue role stopped by itself (%s); shutting down", error or "no error")
+        stop.set()
+    await stopping
+    log.info("jsqueue shutting down")
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return next((r for r in results if isinstance(r, BaseException)), None)
 
 
 def operator_name() -> str:

@@ -38,6 +38,9 @@ from support.nats import chunks_of, make_entry
 from support.queue import MX_HOSTS, eventually
 from support.queue import test_settings as harness_settings
 
+# Node-loss scenarios bound how soon mail flows again: alone, not beside the parallel suite.
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parent.parent
 SINK = "sink.example.test"
 SINK_IP = "127.0.2.130"

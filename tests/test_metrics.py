@@ -122,8 +122,11 @@ async def test_probe_readiness_and_gauges(js_stores: Stores) -> None:
         await server.stop()
 
 
-async def test_probe_reports_nats_loss(js_stores: Stores, nats_server: EmbeddedNats) -> None:
-    """With the nats-server gone the probe fails within its bound: gauge 0, not ready."""
+async def test_probe_reports_nats_loss(
+    js_stores: Stores, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the nats-server gone the probe fails within its bound: gauge 0, not ready,
+    and one warning that says why (a timeout has no text of its own)."""
     metrics, health = Metrics(), Health()
     probe = QueueProbe(
         js_stores, metrics, probe_interval_s=1.0, on_health=lambda ok: health.set("nats", ok)
@@ -133,6 +136,8 @@ async def test_probe_reports_nats_loss(js_stores: Stores, nats_server: EmbeddedN
     assert not await probe.probe()
     assert not health.ready
     assert metrics.registry.get_sample_value("jsqueue_nats_connected") == 0
+    [line] = [r.getMessage() for r in caplog.records if "NATS probe failed" in r.getMessage()]
+    assert line.split("NATS probe failed: ", 1)[1].strip(), line
 
 
 async def test_run_services_serves_health_and_metrics(

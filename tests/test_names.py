@@ -25,7 +25,8 @@ from jsqueue.names import (
     queue_id_time,
 )
 
-VALID_ID = new_queue_id()
+#: A fixed valid id (a fresh one per import would give test ids that differ between runs).
+VALID_ID = "01m8tq535znehzeppjv6vmfe26"
 
 
 def test_new_queue_ids_are_valid_unique_and_sorted_by_time() -> None:

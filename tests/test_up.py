@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,12 @@ import smtplib
 import sys
 from pathlib import Path
 
+import pytest
+
+from jsqueue.config import Settings, load_settings
+from jsqueue.errors import JsqueueError, StoreUnavailable
+from jsqueue.runtime import run_services
+from jsqueue.worker import Worker
 from support.mx import shared_port
 
 
@@ -83,6 +90,69 @@ async def test_up_accepts_mail_and_stops_when_its_nats_server_dies(tmp_path: Pat
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def _embedded_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    env, _ = _up_env(tmp_path)
+    for name, value in env.items():
+        if name.startswith("JSQUEUE_"):
+            monkeypatch.setenv(name, value)
+    return load_settings()
+
+
+async def test_a_role_failing_at_start_stops_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A role task that ends by itself (here the worker, whose presence write fails at
+    start) stops the whole process with that error, instead of leaving a front end that
+    takes mail no worker of this process will deliver."""
+
+    async def failing_start(self: Worker) -> None:
+        raise StoreUnavailable(f"presence {self.owner}: write: nats: timeout")
+
+    monkeypatch.setattr(Worker, "take_name", failing_start)
+    settings = _embedded_settings(tmp_path, monkeypatch)
+    stop = asyncio.Event()
+    run = run_services(settings, stop, smtp=True, worker=True, embedded=True)
+    with pytest.raises(StoreUnavailable, match=r"presence .*: write: nats: timeout"):
+        await asyncio.wait_for(run, 60)
+    assert stop.is_set()
+    assert any("role stopped by itself" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_servers_death_is_named_whatever_a_role_raises_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the embedded nats-server dies, the error the process ends with says so, even
+    when a role fails on its way out for want of that server (a presence write timing
+    out): the root cause is the line an operator reads last."""
+
+    async def run_then_fail(self: Worker, stop: asyncio.Event, **_: object) -> None:
+        await stop.wait()
+        raise StoreUnavailable(f"presence {self.owner}: write: nats: timeout")
+
+    monkeypatch.setattr(Worker, "run", run_then_fail)
+    settings = _embedded_settings(tmp_path, monkeypatch)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_services(settings, stop, smtp=True, worker=True, embedded=True))
+    store = str(tmp_path / "nats")
+
+    def embedded_pid() -> int | None:
+        for pid in _children(os.getpid()):
+            with contextlib.suppress(OSError):
+                if store in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    return pid
+        return None
+
+    port = settings.smtp.port
+    # smtplib blocks: in a thread of its own, beside the queue's event loop
+    await asyncio.to_thread(asyncio.run, _send_when_up(port))
+    pid = embedded_pid()
+    assert pid is not None, task
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(JsqueueError, match="the embedded nats-server died") as raised:
+        await asyncio.wait_for(task, 60)
+    assert isinstance(raised.value.__cause__, StoreUnavailable)
 
 
 async def test_ctrl_c_reaches_jsqueue_which_stops_its_nats_server_after_draining(

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import aiosmtplib
 
 from jsqueue.config import TlsPolicy
+from jsqueue.errors import reason
 from jsqueue.replies import TlsNote
 
 __all__ = ["QUIT_TIMEOUT_S", "CacheKey", "ConnectionCache", "IdleSession", "quit_smtp"]
@@ -30,7 +31,7 @@ async def quit_smtp(smtp: aiosmtplib.SMTP, where: str) -> None:
         if smtp.is_connected:
             await smtp.execute_command(b"QUIT", timeout=QUIT_TIMEOUT_S)
     except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
-        log.debug("%s: QUIT failed: %s", where, e)
+        log.debug("%s: QUIT failed: %s", where, reason(e))
     finally:
         smtp.close()
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from jsqueue.config import SmtpSettings
 from jsqueue.envelope import Entry, Recipient, WorkItem, utcnow
-from jsqueue.errors import EntryNotFound, JsqueueError
+from jsqueue.errors import EntryNotFound, JsqueueError, reason
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.replies import R451_LOCAL_ERROR, Reply
 from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores
@@ -262,7 +262,7 @@ class BodyUpload:
                 "body %s: delete after a failed ingest failed (%s); left for the "
                 "queue's orphan sweep",
                 self.queue_id,
-                e,
+                reason(e),
             )
 
 
@@ -346,7 +346,7 @@ class Ingest:
             async with asyncio.timeout(self._settings.store_timeout_s):
                 await self._log.forget(key, queue_id)
         except (JsqueueError, TimeoutError, OSError) as e:
-            log.warning("%s: ingest record kept (forgetting it failed: %s)", queue_id, e)
+            log.warning("%s: ingest record kept (forgetting it failed: %s)", queue_id, reason(e))
 
     async def commit(self, upload: BodyUpload, mail: Submission) -> str:
         """Store body, entry and work items of one message; the queue id for the 250.
@@ -455,7 +455,7 @@ class Ingest:
                 await self._log.record(key, queue_id)
         except (JsqueueError, TimeoutError, OSError) as e:
             # The message is queued; only the resend protection is missing.
-            log.warning("%s: queued, but the ingest record failed (%s)", queue_id, e)
+            log.warning("%s: queued, but the ingest record failed (%s)", queue_id, reason(e))
 
     async def _cleanup(self, queue_id: str, upload: BodyUpload, stage: str) -> None:
         """Remove what a failed ingest stored: entry and work items first (so no worker
@@ -473,6 +473,6 @@ class Ingest:
                     "%s: removing the entry after a failed ingest failed (%s); left for "
                     "the queue's orphan sweep",
                     queue_id,
-                    e,
+                    reason(e),
                 )
         await upload.abort()

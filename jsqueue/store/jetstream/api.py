@@ -20,7 +20,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from jsqueue.errors import StoreUnavailable
+from jsqueue.errors import StoreUnavailable, reason
 from jsqueue.names import js_api_subject
 
 log = logging.getLogger("jsqueue.store.jetstream")
@@ -98,7 +98,7 @@ def describe(e: BaseException) -> str:
     """A one-line text for a nats (or any) error, with the JetStream codes when it has them."""
     if isinstance(e, nats.js.errors.APIError):
         return f"{e.description} (status {e.code}, error {e.err_code})"
-    return str(e) or type(e).__name__
+    return reason(e)
 
 
 def unavailable(what: str, e: BaseException) -> StoreUnavailable:
