@@ -478,7 +478,7 @@ class Worker:
         )
         if removed:
             if v.entry.inline_body is None:
-                await self.stores.bodies.delete(v.entry.id)
+                await self.stores.bodies.discard(v.entry.id)
             log.info("queue %s: done, removed", v.entry.id)
         else:
             if v.entry.inline_body is not None and recorded.retry_delay_s is not None:

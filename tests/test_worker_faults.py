@@ -181,14 +181,14 @@ async def test_restart_after_the_fast_path_removal(
         raise Crash(kill_point)
 
     if kill_point == "before body delete":
-        delete = w1.stores.bodies.delete
+        discard = w1.stores.bodies.discard  # the delete of a delivered message's body
 
-        async def crashing_delete(queue_id: str) -> None:
+        async def crashing_discard(queue_id: str) -> None:
             if not crashed.is_set():
                 crash()
-            await delete(queue_id)
+            await discard(queue_id)
 
-        monkeypatch.setattr(w1.stores.bodies, "delete", crashing_delete)
+        monkeypatch.setattr(w1.stores.bodies, "discard", crashing_discard)
     else:
         ack = JetStreamDue.ack
 

@@ -98,6 +98,17 @@ class BodyStore(Protocol):
         """
         ...
 
+    async def discard(self, queue_id: str) -> None:
+        """Delete the body of mail whose entry is gone, not waiting for the backend's
+        answer where it can (the body of mail just delivered). Best effort: never raises
+        for the backend; a discard it loses leaves an orphan body, which the reconciler's
+        sweep removes (docs/architecture.md, "The reconciler: repairs after crashes"). Idempotent.
+
+        Raises:
+            InvalidName: bad queue id.
+        """
+        ...
+
 
 @runtime_checkable
 class EntryStore(Protocol):

@@ -136,6 +136,11 @@ class CachedBodyStore:
         self._evict(check_queue_id(queue_id))
         await self.inner.delete(queue_id)
 
+    async def discard(self, queue_id: str) -> None:
+        """See :meth:`BodyStore.discard`; drops any cached copy."""
+        self._evict(check_queue_id(queue_id))
+        await self.inner.discard(queue_id)
+
     async def open(
         self, queue_id: str, *, expect: BodyInfo | None = None
     ) -> AsyncGenerator[bytes, None]:

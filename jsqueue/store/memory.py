@@ -109,6 +109,10 @@ class MemoryBodyStore:
         """See :meth:`BodyStore.delete`."""
         self._bodies.pop(check_queue_id(queue_id), None)
 
+    async def discard(self, queue_id: str) -> None:
+        """See :meth:`BodyStore.discard`: :meth:`delete`, which cannot fail here."""
+        await self.delete(queue_id)
+
     def corrupt(self, queue_id: str) -> None:
         """Test hook: flip one stored byte so the digest no longer matches."""
         data, digest = self._bodies[queue_id]

@@ -333,6 +333,9 @@ class FaultyStores:
                 await outer._step("delete_body")
                 await inner.bodies.delete(queue_id)
 
+            async def discard(self, queue_id: str) -> None:
+                await inner.bodies.discard(queue_id)
+
         class Entries:
             def __getattr__(self, name: str) -> Any:
                 return getattr(inner.entries, name)
@@ -396,6 +399,9 @@ class SinkBodyStore:
 
     async def delete(self, queue_id: str) -> None:
         self.infos.pop(queue_id, None)
+
+    async def discard(self, queue_id: str) -> None:
+        await self.delete(queue_id)
 
 
 # ------------------------------------------------------------------------------ TLS

@@ -20,10 +20,11 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 from nats.nuid import NUID
 
-from jsqueue.errors import BodyCorrupt, BodyNotFound
+from jsqueue.errors import BodyCorrupt, BodyNotFound, StoreError
 from jsqueue.names import (
     Names,
     check_queue_id,
+    js_api_subject,
     object_chunk_subject,
     object_meta_subject,
     object_name_token,
@@ -422,3 +423,25 @@ class JetStreamBodyStore:
             if nuid is not None:
                 await self.js.purge_stream(self.stream, subject=self.chunk_subject(nuid))
             await self.js.purge_stream(self.stream, subject=self.meta_subject(queue_id))
+
+    async def discard(self, queue_id: str) -> None:
+        """See :meth:`BodyStore.discard`. A fresh body this process opened goes in one
+        purge request sent without a reply subject: nats-server purges as it does for
+        :meth:`delete` and sends no answer, so nothing is awaited (one request-reply less
+        per delivered message). Any other body is deleted as by :meth:`delete`, its failure
+        logged.
+        """
+        check_queue_id(queue_id)
+        nuid = self._opened.get(queue_id)
+        try:
+            if nuid == object_name_token(queue_id):
+                del self._opened[queue_id]
+                request = {"filter": object_token_subjects(self.bucket, nuid)}
+                subject = js_api_subject(f"STREAM.PURGE.{self.stream}")
+                await self._nc.publish(subject, json.dumps(request).encode())
+            else:
+                await self.delete(queue_id)
+        except (StoreError, *NATS_FAILURES) as e:
+            log.warning(
+                "body %s: discard failed (%s); left for the orphan sweep", queue_id, describe(e)
+            )

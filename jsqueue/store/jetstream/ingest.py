@@ -45,6 +45,7 @@ class JetStreamIngestLog:
 
     def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0) -> None:
         self.js = nc.jetstream(timeout=timeout_s)
+        self._nc = nc
         self.stream = names.ingest_stream
         self._pre = kv_subject_prefix(names.ingest_bucket)
         # key -> (queue id, stream sequence) of the records this process claimed lately:
@@ -99,12 +100,16 @@ class JetStreamIngestLog:
     async def forget(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.forget`: a KV delete that expects the record read (its
         subject sequence), so a record another front end wrote meanwhile stays. The record
-        of a claim this process made lately is not read again: its sequence is known.
+        of a claim this process made lately is not read again: its sequence is known. The
+        delete is published without a reply subject (one request-reply less per message):
+        nats-server stores it, or drops it when the record changed meanwhile, and answers
+        nothing; a lost one leaves a record that names a delivered message (the cost:
+        an identical transaction within the window is answered with the first one's id,
+        as when this call fails).
 
         Raises:
             InvalidName: bad key or queue id.
-            StoreUnavailable: NATS unreachable or the request failed.
-            unavailable: the StoreUnavailable above, as built by :func:`.api.unavailable`.
+            StoreUnavailable: NATS unreachable or the read failed.
         """
         check_ingest_key(key)
         check_queue_id(queue_id)
@@ -123,11 +128,8 @@ class JetStreamIngestLog:
             assert msg.seq is not None
             seq = msg.seq
         headers = {HDR_KV_OP: "DEL", HDR_EXPECTED_LAST_SUBJ_SEQ: str(seq)}
-        try:
-            await publish(self.js, self._pre + key, b"", headers, what=what)
-        except nats.js.errors.APIError as e:
-            if not is_wrong_last_seq(e):  # changed meanwhile: not ours to remove any more
-                raise unavailable(what, e) from e
+        with translate(what):
+            await self._nc.publish(self._pre + key, b"", headers=headers)
 
     async def record(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.record`."""
