@@ -52,9 +52,15 @@ async def measure(url: str, requests: int, loop_name: str) -> None:
             with contextlib.suppress(nats.errors.NoRespondersError):
                 await nc.request(f"nobody.{task}", PAYLOAD, timeout=5)
 
+    async def no_reply(task: int, n: int) -> None:
+        for _ in range(n):
+            await nc.publish(f"bench.{task}", PAYLOAD)
+        await nc.flush()
+
     runs: list[tuple[str, Callable[[int, int], Awaitable[None]]]] = [
         ("JetStream publish", publish),
         ("core request", request),
+        ("publish, no reply", no_reply),
     ]
     for what, fn in runs:
         for tasks in (1, 20):
