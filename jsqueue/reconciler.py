@@ -47,6 +47,21 @@ READ_BATCH = 64
 RELEASE_TIMEOUT_S = 2.0
 #: A recovery pass due within this many seconds is made now (timers fire a little early).
 TIMER_SLACK_S = 0.05
+#: The largest share of its process's time the passes take: the pause after a pass is at
+#: least ``1 / PASS_SHARE - 1`` times as long as the pass (a sweep of a million entries
+#: must not keep a worker busy, nor its event loop from the mail).
+PASS_SHARE = 0.1
+
+
+def pause_after(interval_s: float, took_s: float) -> float:
+    """Seconds from the end of a pass to the start of the next regular one: the interval,
+    stretched so that passes take at most :data:`PASS_SHARE` of the time. Pure.
+
+    Args:
+        interval_s: ``reconciler.interval_s``.
+        took_s: how long the last pass ran (0 before the first).
+    """
+    return max(interval_s, took_s * (1 / PASS_SHARE - 1))
 
 
 # --------------------------------------------------------------------------- pure decisions
@@ -208,6 +223,7 @@ class Reconciler:
         # after every NATS reconnect (nats_reconnected).
         self._recovery_at: float | None = time.monotonic() + settings.recovery_margin_s
         self._wake = asyncio.Event()
+        self._took_s = 0.0  # duration of the last pass (its pause is paced by it)
 
     def nats_reconnected(self) -> None:
         """Ask for a recovery pass ``recovery_margin_s`` seconds from now: the NATS server
@@ -232,13 +248,17 @@ class Reconciler:
                 return
 
     def _wait_s(self) -> float:
-        """Seconds until the next pass: the interval, or sooner for a recovery pass."""
+        """Seconds until the next pass: :func:`pause_after` the last one, or sooner for a
+        recovery pass (which is not paced: what a crash left is wanted back soon)."""
+        regular = pause_after(self.settings.interval_s, self._took_s)
         if self._recovery_at is None:
-            return self.settings.interval_s
-        return max(0.0, min(self.settings.interval_s, self._recovery_at - time.monotonic()))
+            return regular
+        return max(0.0, min(regular, self._recovery_at - time.monotonic()))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sweep every ``interval_s`` seconds until ``stop`` is set; first sweep at once.
+        A pass that took long stretches the pause after it (:func:`pause_after`: passes
+        take at most :data:`PASS_SHARE` of the time, however large the queue).
 
         Only the lock holder sweeps; the others keep trying to take the lock. Failures of
         NATS are logged and the next pass tries again. The lock is released on the way out.
@@ -251,6 +271,7 @@ class Reconciler:
                 asked = self._recovery_at
                 # (a timer may fire a little early: a recovery pass due within it is due)
                 recovery = asked is not None and asked <= time.monotonic() + TIMER_SLACK_S
+                started = time.monotonic()
                 try:
                     full = self.passes % self.settings.full_scan_every == 0
                     report = await self.run_once(full=full, recovery=recovery)
@@ -266,6 +287,17 @@ class Reconciler:
                     log.warning("reconciler pass failed: %s", e)
                 except Exception:  # a bug must not end the sweeping for good: log, go on
                     log.exception("reconciler pass failed unexpectedly")
+                self._took_s = time.monotonic() - started
+                paused = pause_after(self.settings.interval_s, self._took_s)
+                if paused > self.settings.interval_s:
+                    log.info(
+                        "reconciler: the pass took %.1f s; the next in %.0f s, not %.0f s "
+                        "(passes take at most %.0f %% of the time)",
+                        self._took_s,
+                        paused,
+                        self.settings.interval_s,
+                        100 * PASS_SHARE,
+                    )
                 await self._pause(stop)
         finally:
             # Bounded: with NATS gone a release would wait out the request timeout, and the

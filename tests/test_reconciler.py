@@ -6,6 +6,8 @@ process SIGKILLed mid-DATA)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -17,7 +19,16 @@ from jsqueue.envelope import Entry, Lease, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
-from jsqueue.reconciler import Action, ActionKind, Reconciler, open_reconciler, review
+from jsqueue.reconciler import (
+    PASS_SHARE,
+    Action,
+    ActionKind,
+    Reconciler,
+    Report,
+    open_reconciler,
+    pause_after,
+    review,
+)
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.store.jetstream.inventory import JetStreamInventory
@@ -452,3 +463,48 @@ async def test_reconnect_asks_for_a_recovery_pass(
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+def test_the_pause_after_a_long_pass_keeps_passes_to_a_tenth_of_the_time() -> None:
+    """The interval, unless the pass took so long that passes would take more than
+    PASS_SHARE of the time: then nine times the pass."""
+    assert PASS_SHARE == 0.1
+    assert pause_after(60.0, 0.0) == 60.0
+    assert pause_after(60.0, 6.0) == 60.0
+    assert pause_after(60.0, 100.0) == 900.0
+    took = 3.0
+    assert took / (took + pause_after(0.2, took)) == pytest.approx(PASS_SHARE)
+
+
+async def test_a_long_pass_stretches_the_pause_after_it(
+    make_reconciler: MakeReconciler,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pass that takes long (a queue of a million entries) is followed by a pause nine
+    times as long, not by the next pass after ``interval_s``: the sweep never keeps its
+    process busy. The stretched pause is logged."""
+    caplog.set_level(logging.INFO, logger="jsqueue.reconciler")
+    rec: Reconciler = await make_reconciler(interval_s=0.05, recovery_margin_s=3600.0)
+    run_once = rec.run_once
+    times: list[tuple[float, float]] = []
+
+    async def slow_pass(*, full: bool = True, recovery: bool = False) -> Report:
+        began = time.monotonic()
+        report = await run_once(full=full, recovery=recovery)
+        await asyncio.sleep(0.3)  # as if it had read many entries
+        times.append((began, time.monotonic()))
+        return report
+
+    monkeypatch.setattr(rec, "run_once", slow_pass)
+    stop = asyncio.Event()
+    task = asyncio.create_task(rec.run(stop))
+    try:
+        await eventually(lambda: len(times) >= 2, 20, what="two passes")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    (_, first_end), (second_start, _) = times[0], times[1]
+    took = first_end - times[0][0]
+    assert second_start - first_end >= 9 * took * 0.99, (took, second_start - first_end)
+    assert any("the next in" in r.getMessage() for r in caplog.records)

@@ -281,7 +281,9 @@ class ReconcilerSettings(_Section):
     """The periodic consistency sweep (:mod:`jsqueue.reconciler`); one runs at a time."""
 
     enabled: bool = Field(True, description="run the reconciler in `up` and `worker`")
-    interval_s: float = Field(60.0, gt=0, description="pause between passes, seconds")
+    interval_s: float = Field(
+        60.0, gt=0, description="pause between passes, seconds (at least 9× the last pass)"
+    )
     lost_trigger_after_s: float = Field(
         300.0, gt=0, description="an open recipient this overdue without a work item is re-queued"
     )
