@@ -69,7 +69,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jsqueue.envelope import EntryState
-from jsqueue.errors import JsqueueError
+from jsqueue.errors import JsqueueError, reason
 from jsqueue.events import Event, EventKind, JetStreamPublisher
 from jsqueue.saturation import SaturationWatch
 from jsqueue.store.base import AckPending, Lock, Stores
@@ -358,7 +358,7 @@ class QueueProbe:
                 exporting = await self._elect()
         except (JsqueueError, TimeoutError, OSError) as e:
             if self.ok:
-                log.warning("NATS probe failed: %s", str(e) or f"no answer ({type(e).__name__})")
+                log.warning("NATS probe failed: %s", reason(e))
             self.ok = False
             exporting = False
         else:
