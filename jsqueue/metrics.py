@@ -71,6 +71,7 @@ from prometheus_client.registry import Collector
 from jsqueue.envelope import EntryState
 from jsqueue.errors import JsqueueError, reason
 from jsqueue.events import Event, EventKind, JetStreamPublisher
+from jsqueue.pacing import Pacer
 from jsqueue.saturation import SaturationWatch
 from jsqueue.store.base import AckPending, Lock, Stores
 from jsqueue.store.jetstream.work import JetStreamScheduler
@@ -300,10 +301,11 @@ class QueueProbe:
     seconds); a process without a lock exports them itself. The exporter sets the backlog
     gauge at each probe and scans the entries by state (``EntryStore.count_by_state()``,
     which reads every entry: DESIGN.md §7) as often as the scan's cost allows: again after
-    ten times the last scan's duration, at least ``probe_interval_s``, and at most
+    ten times the seconds the last scan worked, at least ``probe_interval_s``, and at most
     ``depth_interval_s`` after the last one unless that would break the cost bound (0 =
     never). A queue of a few thousand entries is so followed within the probe interval; a
-    very large one at a tenth of one process's time. A scan runs beside the probes, not
+    very large one at a tenth of one process's time, and the scan itself rests as it reads
+    so that it never takes more than that tenth while it runs. A scan runs beside the probes, not
     between them, and has no bound of its own but its requests' timeouts: a scan of a
     million entries takes minutes, and the probes (readiness, the exporter lock) go on
     meanwhile.
@@ -343,6 +345,7 @@ class QueueProbe:
         self.ok = False
         self.exporting = False
         self._next_scan = 0.0
+        self._scan_busy_s = 0.0  # seconds the last depth scan worked (its rests not counted)
 
     async def probe(self) -> bool:
         """One backlog probe, and the election of the exporter. Returns whether NATS
@@ -395,17 +398,21 @@ class QueueProbe:
         self.metrics.set_exporting(False)
 
     async def scan_depth(self) -> bool:
-        """One depth scan. Returns whether it completed. Never raises."""
+        """One depth scan, resting as it reads (:class:`Pacer`: its work is at most
+        ``1 / SCAN_COST_FACTOR`` of the time while it runs, so a scan of a million entries
+        leaves the event loop to the mail). Returns whether it completed; the seconds it
+        worked are kept for the next scan's time. Never raises."""
         started = time.monotonic()
+        pacer = Pacer(1 / self.SCAN_COST_FACTOR)
         try:
-            counts = await self.stores.entries.count_by_state()
+            counts = await self.stores.entries.count_by_state(pacer)
         except (JsqueueError, TimeoutError, OSError) as e:
+            self._scan_busy_s = pacer.finish()
             log.warning(
-                "queue depth scan failed after %.1f s: %s",
-                time.monotonic() - started,
-                str(e) or type(e).__name__,
+                "queue depth scan failed after %.1f s: %s", time.monotonic() - started, reason(e)
             )
             return False
+        self._scan_busy_s = pacer.finish()
         self.metrics.set_depth(counts, time.monotonic() - started)
         return True
 
@@ -440,7 +447,8 @@ class QueueProbe:
             await self.release()
 
     async def _scan(self) -> None:
-        """:meth:`scan_depth`, then the time of the next one."""
+        """:meth:`scan_depth`, then the time of the next one (from the seconds it worked:
+        its rests already kept it to its share while it ran)."""
         started = time.monotonic()
         await self.scan_depth()
-        self._next_scan = started + self.next_scan_after_s(time.monotonic() - started)
+        self._next_scan = started + self.next_scan_after_s(self._scan_busy_s)

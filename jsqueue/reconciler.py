@@ -31,6 +31,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.names import Names
+from jsqueue.pacing import SLICE_S, Pacer, cycle_rest
 from jsqueue.store.base import Inventory, Lock, Stores
 from jsqueue.store.jetstream import close_nats, connect_nats
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
@@ -47,21 +48,11 @@ READ_BATCH = 64
 RELEASE_TIMEOUT_S = 2.0
 #: A recovery pass due within this many seconds is made now (timers fire a little early).
 TIMER_SLACK_S = 0.05
-#: The largest share of its process's time the passes take: the pause after a pass is at
-#: least ``1 / PASS_SHARE - 1`` times as long as the pass (a sweep of a million entries
-#: must not keep a worker busy, nor its event loop from the mail).
+#: The largest share of its process's time the passes take (a sweep of a million entries
+#: must not keep a worker busy, nor its event loop from the mail): a regular pass rests
+#: while it reads (:class:`~jsqueue.pacing.Pacer`), and the pause after any pass is long
+#: enough for its work to be at most this share of pass and pause (:func:`cycle_rest`).
 PASS_SHARE = 0.1
-
-
-def pause_after(interval_s: float, took_s: float) -> float:
-    """Seconds from the end of a pass to the start of the next regular one: the interval,
-    stretched so that passes take at most :data:`PASS_SHARE` of the time. Pure.
-
-    Args:
-        interval_s: ``reconciler.interval_s``.
-        took_s: how long the last pass ran (0 before the first).
-    """
-    return max(interval_s, took_s * (1 / PASS_SHARE - 1))
 
 
 # --------------------------------------------------------------------------- pure decisions
@@ -177,6 +168,7 @@ class Report:
     reported: list[str] = field(default_factory=list)
     orphan_bodies: list[str] = field(default_factory=list)
     orphan_chunks: list[str] = field(default_factory=list)
+    rested_s: float = 0.0  # seconds the pass rested to leave the event loop to the mail
 
     @property
     def changed(self) -> bool:
@@ -195,6 +187,7 @@ class Reconciler:
         settings: the ``reconciler`` settings section.
         names: object names.
         clock: returns the current aware UTC time.
+        slice_s: work between two rests of a regular pass, seconds (:class:`Pacer`).
     """
 
     def __init__(
@@ -206,6 +199,7 @@ class Reconciler:
         names: Names,
         *,
         clock: Callable[[], datetime] = utcnow,
+        slice_s: float = SLICE_S,
     ) -> None:
         self.stores = stores
         self.inventory = inventory
@@ -223,7 +217,8 @@ class Reconciler:
         # after every NATS reconnect (nats_reconnected).
         self._recovery_at: float | None = time.monotonic() + settings.recovery_margin_s
         self._wake = asyncio.Event()
-        self._took_s = 0.0  # duration of the last pass (its pause is paced by it)
+        self.slice_s = slice_s
+        self._pause_s = settings.interval_s  # from the end of the last pass to the next
 
     def nats_reconnected(self) -> None:
         """Ask for a recovery pass ``recovery_margin_s`` seconds from now: the NATS server
@@ -248,17 +243,20 @@ class Reconciler:
                 return
 
     def _wait_s(self) -> float:
-        """Seconds until the next pass: :func:`pause_after` the last one, or sooner for a
-        recovery pass (which is not paced: what a crash left is wanted back soon)."""
-        regular = pause_after(self.settings.interval_s, self._took_s)
+        """Seconds until the next pass: the pause after the last one (:func:`cycle_rest`),
+        or sooner for a recovery pass (which is not paced: what a crash left is wanted back
+        soon)."""
+        regular = self._pause_s
         if self._recovery_at is None:
             return regular
         return max(0.0, min(regular, self._recovery_at - time.monotonic()))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sweep every ``interval_s`` seconds until ``stop`` is set; first sweep at once.
-        A pass that took long stretches the pause after it (:func:`pause_after`: passes
-        take at most :data:`PASS_SHARE` of the time, however large the queue).
+        Passes take at most :data:`PASS_SHARE` of the time, however large the queue: a
+        regular pass rests as it reads (:class:`Pacer`), and a pass whose work took long
+        (a recovery pass, which does not rest) stretches the pause after it
+        (:func:`cycle_rest`; a stretched pause is logged).
 
         Only the lock holder sweeps; the others keep trying to take the lock. Failures of
         NATS are logged and the next pass tries again. The lock is released on the way out.
@@ -272,9 +270,11 @@ class Reconciler:
                 # (a timer may fire a little early: a recovery pass due within it is due)
                 recovery = asked is not None and asked <= time.monotonic() + TIMER_SLACK_S
                 started = time.monotonic()
+                rested = 0.0
                 try:
                     full = self.passes % self.settings.full_scan_every == 0
                     report = await self.run_once(full=full, recovery=recovery)
+                    rested = report.rested_s
                     if recovery and self._recovery_at == asked:  # no reconnect meanwhile
                         self._recovery_at = None
                     if report.changed or report.reported:
@@ -287,14 +287,15 @@ class Reconciler:
                     log.warning("reconciler pass failed: %s", e)
                 except Exception:  # a bug must not end the sweeping for good: log, go on
                     log.exception("reconciler pass failed unexpectedly")
-                self._took_s = time.monotonic() - started
-                paused = pause_after(self.settings.interval_s, self._took_s)
-                if paused > self.settings.interval_s:
+                wall = time.monotonic() - started
+                busy = wall - rested
+                self._pause_s = cycle_rest(self.settings.interval_s, busy, wall, PASS_SHARE)
+                if self._pause_s > self.settings.interval_s:
                     log.info(
-                        "reconciler: the pass took %.1f s; the next in %.0f s, not %.0f s "
+                        "reconciler: the pass worked %.1f s; the next in %.0f s, not %.0f s "
                         "(passes take at most %.0f %% of the time)",
-                        self._took_s,
-                        paused,
+                        busy,
+                        self._pause_s,
                         self.settings.interval_s,
                         100 * PASS_SHARE,
                     )
@@ -334,8 +335,13 @@ class Reconciler:
                 A re-queue too many is harmless (DESIGN.md §2.2: the item is checked
                 against KV on arrival).
 
+        A regular pass rests as it reads entries and bodies (:class:`Pacer` at
+        :data:`PASS_SHARE`, each rest at most a third of ``lock_ttl_s``, the lock renewed
+        between), so that a pass over a million entries leaves the event loop to the mail;
+        a recovery pass does not rest.
+
         Returns:
-            what was found and done.
+            what was found and done (``rested_s``: seconds rested).
 
         Raises:
             LockLost: another reconciler holds the lock, or it was lost mid-pass.
@@ -349,6 +355,11 @@ class Reconciler:
             short = min(self.settings.recovery_margin_s, self.settings.lost_trigger_after_s)
             self._margins = self.settings.model_copy(update={"lost_trigger_after_s": short})
         report = Report()
+        pacer = Pacer(
+            1.0 if recovery else PASS_SHARE,
+            slice_s=self.slice_s,
+            max_rest_s=self.settings.lock_ttl_s / 3,
+        )
         inv = self.inventory
         ids = await inv.entry_ids()
         subjects = await inv.work_subjects()
@@ -390,7 +401,8 @@ class Reconciler:
                 for action in actions:
                     await self._keep_lock()
                     await self._act(action, report)
-        await self._sweep_bodies(bodies - live, report)
+            await pacer.step()
+        await self._sweep_bodies(bodies - live, report, pacer)
         await self._keep_lock()
         cutoff = self._ago(self.settings.orphan_after_s)
         for chunk_set in await inv.orphan_chunks(cutoff, thorough=full):
@@ -398,6 +410,7 @@ class Reconciler:
             await inv.delete_chunks(chunk_set)
             report.orphan_chunks.append(chunk_set)
             log.info("reconciler: purged chunk set %s that no body refers to", chunk_set)
+        report.rested_s = pacer.rested_s
         self.passes += 1
         self.last_report = report
         return report
@@ -486,10 +499,11 @@ class Reconciler:
             return False
         return True
 
-    async def _sweep_bodies(self, candidates: Iterable[str], report: Report) -> None:
+    async def _sweep_bodies(self, candidates: Iterable[str], report: Report, pacer: Pacer) -> None:
         """Delete bodies without an entry that are older than ``orphan_after_s``."""
         cutoff = self._ago(self.settings.orphan_after_s)
         for qid in sorted(candidates):
+            await pacer.step()
             await self._keep_lock()
             stored_at = await self.inventory.body_stored_at(qid)
             if stored_at is None or stored_at > cutoff:

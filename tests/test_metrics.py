@@ -24,6 +24,7 @@ from jsqueue.logs import JsonFormatter
 from jsqueue.metrics import Metrics, QueueProbe
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.pacing import Pacer
 from jsqueue.runtime import run_services
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
@@ -409,12 +410,12 @@ async def test_a_long_depth_scan_runs_beside_the_probes(
     count = js_stores.entries.count_by_state
     scans = 0
 
-    async def slow_count() -> dict[EntryState, int]:
+    async def slow_count(pacer: Pacer | None = None) -> dict[EntryState, int]:
         nonlocal scans
         scans += 1
         if scans == 1:
             await release.wait()  # the first scan lasts as long as the test wants
-            return await count()
+            return await count(pacer)
         raise TimeoutError()  # a request of the second one times out
 
     js_stores.entries.count_by_state = slow_count  # type: ignore[method-assign]

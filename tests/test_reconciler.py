@@ -19,6 +19,7 @@ from jsqueue.envelope import Entry, Lease, RecipientState, WorkItem, utcnow
 from jsqueue.errors import BodyNotFound
 from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.pacing import cycle_rest
 from jsqueue.reconciler import (
     PASS_SHARE,
     Action,
@@ -26,7 +27,6 @@ from jsqueue.reconciler import (
     Reconciler,
     Report,
     open_reconciler,
-    pause_after,
     review,
 )
 from jsqueue.store.base import Stores
@@ -466,14 +466,37 @@ async def test_reconnect_asks_for_a_recovery_pass(
 
 
 def test_the_pause_after_a_long_pass_keeps_passes_to_a_tenth_of_the_time() -> None:
-    """The interval, unless the pass took so long that passes would take more than
-    PASS_SHARE of the time: then nine times the pass."""
+    """The interval, unless the pass worked so long that passes would take more than
+    PASS_SHARE of the time: then nine times its work, less what it already rested."""
     assert PASS_SHARE == 0.1
-    assert pause_after(60.0, 0.0) == 60.0
-    assert pause_after(60.0, 6.0) == 60.0
-    assert pause_after(60.0, 100.0) == 900.0
+    assert cycle_rest(60.0, 0.0, 0.0, PASS_SHARE) == 60.0
+    assert cycle_rest(60.0, 6.0, 6.0, PASS_SHARE) == 60.0
+    assert cycle_rest(60.0, 100.0, 100.0, PASS_SHARE) == pytest.approx(900.0)  # unpaced
+    assert cycle_rest(60.0, 100.0, 1000.0, PASS_SHARE) == 60.0  # paced: it rested 900 s
+    assert cycle_rest(60.0, 100.0, 400.0, PASS_SHARE) == pytest.approx(600.0)  # rests capped
     took = 3.0
-    assert took / (took + pause_after(0.2, took)) == pytest.approx(PASS_SHARE)
+    assert took / (took + cycle_rest(0.2, took, took, PASS_SHARE)) == pytest.approx(PASS_SHARE)
+
+
+async def test_a_regular_pass_rests_as_it_reads_and_a_recovery_pass_does_not(
+    queue_harness: Harness, make_reconciler: MakeReconciler
+) -> None:
+    """A full pass over many entries (a million in production) rests between its reads, so
+    that its work is about PASS_SHARE of its time and the worker sharing the event loop
+    keeps delivering; a recovery pass (what a crash left is wanted back soon) never rests."""
+    stores = queue_harness.stores
+    for _ in range(150):  # three read batches
+        await store(stores, entry(), work=True)
+    rec = await make_reconciler()
+    rec.slice_s = 1e-6  # rest after every batch (a real pass rests after 50 ms of work)
+    began = time.monotonic()
+    report = await rec.run_once(full=True)
+    wall = time.monotonic() - began
+    assert report.entries_read >= 150 and not report.changed
+    assert report.rested_s > 0
+    assert report.rested_s >= 0.8 * (1 - PASS_SHARE) * wall, (report.rested_s, wall)
+    recovery = await rec.run_once(full=True, recovery=True)
+    assert recovery.entries_read >= 150 and recovery.rested_s == 0
 
 
 async def test_a_long_pass_stretches_the_pause_after_it(

@@ -30,6 +30,7 @@ from jsqueue.errors import (
     RevisionConflict,
 )
 from jsqueue.names import new_queue_id
+from jsqueue.pacing import Pacer
 from jsqueue.store.base import (
     BodyInfo,
     BodyStore,
@@ -438,6 +439,23 @@ async def test_count_by_state(stores: Stores) -> None:
         EntryState.ACTIVE: 1,
         EntryState.HELD: 1,
     }
+
+
+async def test_count_by_state_rests_as_its_pacer_asks(stores: Stores) -> None:
+    """A paced depth scan (a million entries in production) counts the same and rests as
+    it reads: the pacer's rests are taken, not skipped, by every backend."""
+    for _ in range(3):
+        await stores.entries.create(make_entry(None))
+    rests: list[float] = []
+    ticks = iter(range(10_000))
+
+    async def sleep(seconds: float) -> None:
+        rests.append(seconds)
+
+    pacer = Pacer(0.25, slice_s=0.5, clock=lambda: float(next(ticks)), sleep=sleep)
+    assert await stores.entries.count_by_state(pacer) == {EntryState.PENDING: 3}
+    assert rests and all(r == pytest.approx(3.0) for r in rests)  # 1 s worked, 3 s rested
+    assert pacer.rested_s == sum(rests)
 
 
 # --------------------------------------------------------------------------- scheduler

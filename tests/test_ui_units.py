@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
+from typing import cast
 
+from jsqueue.admin import Admin
 from jsqueue.envelope import utcnow
 from jsqueue.events import Event, EventKind
 from jsqueue.ui.charts import bar_chart, line_chart
-from jsqueue.ui.history import OutcomeCounter
+from jsqueue.ui.history import DepthHistory, OutcomeCounter, Sampling
 from jsqueue.ui.pages import age
 from jsqueue.ui.session import csrf_token
+from support.queue import eventually
 
 
 def test_charts_escape_labels_and_scale() -> None:
@@ -51,3 +55,40 @@ def test_age_and_csrf() -> None:
     assert age(2 * 86400 + 3 * 3600 + 5) == "2d 3h"
     assert csrf_token("jsq_a") != csrf_token("jsq_b")
     assert len(csrf_token("jsq_a")) == 64
+
+
+class _IdleHistory(DepthHistory):
+    """A depth ring whose run only waits for its stop (no store is read)."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+
+
+async def test_sampling_runs_until_its_last_task_has_ended() -> None:
+    """Once the dashboard is not viewed for ``idle_s`` the work stops; ``running`` stays
+    true until every one of its tasks has ended (a follower takes a moment to close its
+    events subscription), so whoever sees it false sees no task left behind."""
+    cancelled, release = asyncio.Event(), asyncio.Event()
+
+    async def follow() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            await release.wait()  # closing the subscription
+            raise
+
+    history = _IdleHistory(cast(Admin, None), interval_s=1.0, keep=1)
+    sampling = Sampling(history, OutcomeCounter(minutes=1), follow, idle_s=0.01)
+    sampling.viewed()
+    assert sampling.running
+    await asyncio.wait_for(cancelled.wait(), 5)  # the idle timer stopped the work
+    assert sampling.running  # the follower has not ended yet
+    release.set()
+    await eventually(lambda: not sampling.running, what="the work ended")
+    left = {t.get_name() for t in asyncio.all_tasks()}
+    assert not {n for n in left if n.startswith("jsqueue-ui-")}
+    sampling.viewed()  # viewed again: a fresh start
+    assert sampling.running and sampling.starts == 2
+    await sampling.close()
+    assert not sampling.running

@@ -282,7 +282,10 @@ class ReconcilerSettings(_Section):
 
     enabled: bool = Field(True, description="run the reconciler in `up` and `worker`")
     interval_s: float = Field(
-        60.0, gt=0, description="pause between passes, seconds (at least 9× the last pass)"
+        60.0,
+        gt=0,
+        description="pause between passes, seconds (longer after a pass that worked more "
+        "than a tenth of the time: passes rest as they read)",
     )
     lost_trigger_after_s: float = Field(
         300.0, gt=0, description="an open recipient this overdue without a work item is re-queued"
@@ -319,10 +322,11 @@ class HttpSettings(_Section):
     queue_depth_interval_s: float = Field(
         300.0,
         ge=0,
-        description="longest time between queue depth scans (they read every entry; the "
-        "exporter of the queue-wide gauges scans again after 10 times a scan's duration, at "
-        "least probe_interval_s, later than this when the scan took more than a tenth of "
-        "it), seconds; 0 = off",
+        description="longest time between queue depth scans (they read every entry, resting "
+        "as they read so as to work at most a tenth of the time; the exporter of the "
+        "queue-wide gauges scans again after 10 times a scan's work, at least "
+        "probe_interval_s, later than this when the scan worked more than a tenth of it), "
+        "seconds; 0 = off",
     )
 
 

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState, WorkItem
 from jsqueue.errors import EntryTooLarge, InvalidName
+from jsqueue.pacing import Pacer
 from jsqueue.store.policies import PolicyCache
 
 
@@ -193,8 +194,12 @@ class EntryStore(Protocol):
         """
         ...
 
-    async def count_by_state(self) -> dict[EntryState, int]:
+    async def count_by_state(self, pacer: Pacer | None = None) -> dict[EntryState, int]:
         """Number of entries in each derived state (states with none are omitted).
+
+        Args:
+            pacer: rests the scan as it reads (:class:`~jsqueue.pacing.Pacer`: a scan of
+                a large queue leaves the event loop to the mail); None reads at full speed.
 
         Raises:
             StoreUnavailable: the backend failed.

@@ -27,6 +27,7 @@ from jsqueue.errors import (
     RevisionConflict,
 )
 from jsqueue.names import check_domain, check_queue_id
+from jsqueue.pacing import Pacer
 from jsqueue.store.base import (
     BodyInfo,
     Due,
@@ -209,10 +210,12 @@ class MemoryEntryStore:
                     break
         return out
 
-    async def count_by_state(self) -> dict[EntryState, int]:
+    async def count_by_state(self, pacer: Pacer | None = None) -> dict[EntryState, int]:
         """See :meth:`EntryStore.count_by_state`."""
         counts: dict[EntryState, int] = {}
-        for data, _ in self._entries.values():
+        for data, _ in list(self._entries.values()):
+            if pacer is not None:
+                await pacer.step()
             st = Entry.from_json(data).state
             counts[st] = counts.get(st, 0) + 1
         return counts

@@ -41,6 +41,7 @@ from jsqueue.envelope import EntryState, RecipientState, utcnow
 from jsqueue.errors import JsqueueError
 from jsqueue.events import Event, EventKind, tail
 from jsqueue.names import Names
+from jsqueue.pacing import Pacer
 
 log = logging.getLogger("jsqueue.ui")
 
@@ -50,8 +51,8 @@ COST_FACTOR = 10.0
 TOP_DOMAINS = 10
 #: Pause after a failed pass or a lost events connection, seconds.
 RETRY_PAUSE_S = 5.0
-#: Work of a depth pass between two pauses of the same length, seconds.
-SLICE_S = 0.05
+#: The share of the time a depth pass works while it runs (it rests as long as it worked).
+PASS_SHARE = 0.5
 #: The recipient outcomes counted per minute, in the order the overview shows them.
 OUTCOMES = (EventKind.DELIVERED, EventKind.DEFERRED, EventKind.BOUNCED, EventKind.EXPIRED)
 
@@ -110,17 +111,16 @@ class DepthHistory:
 
     async def sample(self) -> Sample:
         """Take one sample now and keep it: one pass over every entry in arrival order
-        (``Admin.scan``, the entries ``queue stats`` counts), yielding the event loop for
-        as long as it worked after every :data:`SLICE_S` of work, so pages served by the
-        same process meanwhile wait at most about a slice (the pass takes about twice its
-        work time; its cost bound counts the work only).
+        (``Admin.scan``, the entries ``queue stats`` counts), resting as long as it worked
+        after every slice of work (:class:`~jsqueue.pacing.Pacer` at :data:`PASS_SHARE`),
+        so pages served by the same process meanwhile wait at most about a slice (the pass
+        takes about twice its work time; its cost bound counts the work only).
 
         Raises:
             StoreUnavailable: reading the entries failed.
         """
-        loop = asyncio.get_running_loop()
-        busy = 0.0
-        started = slice_start = loop.time()
+        started = time.monotonic()
+        pacer = Pacer(PASS_SHARE)
         by_state: dict[EntryState, int] = {}
         by_domain: dict[str, list[int]] = {}
         oldest: tuple[datetime, str] | None = None
@@ -139,12 +139,8 @@ class DepthHistory:
                         counts = by_domain.setdefault(r.domain, [0, 0])
                         counts[0] += 1
                         counts[1] += r.state is RecipientState.DEFERRED
-                worked = loop.time() - slice_start
-                if worked >= SLICE_S:
-                    busy += worked
-                    await asyncio.sleep(worked)
-                    slice_start = loop.time()
-        busy += loop.time() - slice_start
+                await pacer.step()
+        busy = pacer.finish()
         try:
             backlog: int | None = await self.admin.stores.scheduler.backlog()
         except JsqueueError:
@@ -162,7 +158,7 @@ class DepthHistory:
             oldest_age_s=(now - oldest[0]).total_seconds() if oldest else None,
             backlog=backlog,
             took_s=busy,
-            wall_s=loop.time() - started,
+            wall_s=time.monotonic() - started,
         )
         self.samples.append(s)
         self.last_error = None
@@ -308,13 +304,15 @@ class Sampling:
         self.idle_s = idle_s
         self._seen = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._ending: list[asyncio.Task[None]] = []  # stopped, perhaps not ended yet
         self._stop = asyncio.Event()
         self.starts = 0
 
     @property
     def running(self) -> bool:
-        """Whether the sampler and the follower run now."""
-        return bool(self._tasks)
+        """Whether any of the work's tasks (sampler, follower, idle timer) has not ended,
+        a stopped run's included until its last task ended."""
+        return any(not t.done() for t in (*self._tasks, *self._ending))
 
     def viewed(self) -> None:
         """A page was viewed: keep the work running ``idle_s`` more, or start it.
@@ -348,11 +346,14 @@ class Sampling:
                 break
         log.info("dashboard not viewed for %.0f s: sampling stopped", self.idle_s)
         tasks, self._tasks = self._tasks, []
+        self._ending = tasks  # this task among them: running until it returned
         await _cancel(self._stop, [t for t in tasks if t is not asyncio.current_task()])
 
     async def close(self) -> None:
         """Stop the work now (the endpoint shuts down). Idempotent."""
         tasks, self._tasks = self._tasks, []
+        tasks += [t for t in self._ending if t not in tasks]
+        self._ending = tasks
         await _cancel(self._stop, tasks)
 
 

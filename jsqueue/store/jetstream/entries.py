@@ -24,6 +24,7 @@ from jsqueue.errors import (
     StoreError,
 )
 from jsqueue.names import Names, check_queue_id, kv_subject_prefix, kv_subjects
+from jsqueue.pacing import Pacer
 from jsqueue.store.base import Versioned, encode_entry
 from jsqueue.store.jetstream.api import (
     HDR_EXPECTED_LAST_SUBJ_SEQ,
@@ -254,10 +255,14 @@ class JetStreamEntryStore:
         )
         return sorted(s[len(self._pre) :] for s in found)
 
-    async def _scan(self, after: str | None) -> AsyncGenerator[Versioned, None]:
+    async def _scan(
+        self, after: str | None, pacer: Pacer | None = None
+    ) -> AsyncGenerator[Versioned, None]:
         keys = await self.keys()
         start = bisect.bisect_right(keys, after) if after is not None else 0
         for i in range(start, len(keys), SCAN_BATCH):
+            if pacer is not None:
+                await pacer.step()
             batch = keys[i : i + SCAN_BATCH]
             msgs = await asyncio.gather(*(self._last(k) for k in batch))
             for key, msg in zip(batch, msgs, strict=True):
@@ -282,10 +287,10 @@ class JetStreamEntryStore:
             await scan.aclose()
         return out
 
-    async def count_by_state(self) -> dict[EntryState, int]:
+    async def count_by_state(self, pacer: Pacer | None = None) -> dict[EntryState, int]:
         """See :meth:`EntryStore.count_by_state`. Reads every entry (see class docstring)."""
         counts: dict[EntryState, int] = {}
-        async for v in self._scan(None):
+        async for v in self._scan(None, pacer):
             st = v.entry.state
             counts[st] = counts.get(st, 0) + 1
         return counts
