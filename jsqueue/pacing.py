@@ -36,7 +36,8 @@ class Pacer:
     Call :meth:`step` between units of work (a batch of reads, one entry); once
     :data:`SLICE_S` has passed since the last rest it sleeps :func:`rest_after` that long.
     The time counted is wall time, so the other tasks the loop ran meanwhile count as the
-    paced loop's work: it errs towards resting more. Not thread-safe; one per run.
+    paced loop's work: it errs towards resting more. :meth:`hurry` ends the rests (the
+    run is wanted done soon). Not thread-safe; one per run.
 
     Args:
         share: the largest share of the time the work takes, ``0 < share <= 1`` (1: never
@@ -53,6 +54,7 @@ class Pacer:
     Attributes:
         busy_s: seconds of work so far (up to the last :meth:`step` or :meth:`finish`).
         rested_s: seconds rested so far.
+        resting: whether a rest is under way.
     """
 
     def __init__(
@@ -75,7 +77,15 @@ class Pacer:
         self._sleep = sleep
         self.busy_s = 0.0
         self.rested_s = 0.0
+        self.resting = False
+        self._hurried = asyncio.Event()
         self._since = clock()
+
+    def hurry(self) -> None:
+        """End the rest under way and take no more: the run goes on at full speed (a
+        recovery pass is wanted after a reconnect). Never blocks; idempotent."""
+        self.share = 1.0
+        self._hurried.set()
 
     async def step(self) -> None:
         """Rest if a slice of work has passed since the last rest; else return at once."""
@@ -86,10 +96,22 @@ class Pacer:
         rest = rest_after(worked, self.share)
         if self.max_rest_s is not None:
             rest = min(rest, self.max_rest_s)
-        if rest > 0:
-            await self._sleep(rest)
-            self.rested_s += rest
+        if rest > 0 and not self._hurried.is_set():
+            await self._rest(rest)
         self._since = self._clock()
+
+    async def _rest(self, seconds: float) -> None:
+        began = self._clock()
+        self.resting = True
+        sleep = asyncio.ensure_future(self._sleep(seconds))
+        woken = asyncio.ensure_future(self._hurried.wait())
+        try:
+            await asyncio.wait((sleep, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.resting = False
+            sleep.cancel()
+            woken.cancel()
+            self.rested_s += self._clock() - began
 
     def finish(self) -> float:
         """Count the work since the last rest; returns :attr:`busy_s`. Idempotent."""

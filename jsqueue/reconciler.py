@@ -218,15 +218,20 @@ class Reconciler:
         self._recovery_at: float | None = time.monotonic() + settings.recovery_margin_s
         self._wake = asyncio.Event()
         self.slice_s = slice_s
+        self.pacer: Pacer | None = None  # the pacer of the pass under way
         self._pause_s = settings.interval_s  # from the end of the last pass to the next
 
     def nats_reconnected(self) -> None:
         """Ask for a recovery pass ``recovery_margin_s`` seconds from now: the NATS server
         may have restarted and lost the last work items it was given (on one replica the
-        work stream is not synced per write, ``nats.work_fsync``). Never blocks;
+        work stream is not synced per write, ``nats.work_fsync``); a regular pass under way
+        stops resting (:meth:`Pacer.hurry`), so the recovery pass is not kept waiting by
+        the pacing of a large queue's pass. Never blocks;
         idempotent (a second call before the pass moves it later)."""
         self._recovery_at = time.monotonic() + self.settings.recovery_margin_s
         self._wake.set()
+        if self.pacer is not None:  # a regular pass under way ends without more rests
+            self.pacer.hurry()
 
     async def _pause(self, stop: asyncio.Event) -> None:
         """Wait for the next pass: ``interval_s``, or until a recovery pass is due (a
@@ -287,6 +292,7 @@ class Reconciler:
                     log.warning("reconciler pass failed: %s", e)
                 except Exception:  # a bug must not end the sweeping for good: log, go on
                     log.exception("reconciler pass failed unexpectedly")
+                self.pacer = None  # (a pass that failed leaves its own)
                 wall = time.monotonic() - started
                 busy = wall - rested
                 self._pause_s = cycle_rest(self.settings.interval_s, busy, wall, PASS_SHARE)
@@ -355,7 +361,7 @@ class Reconciler:
             short = min(self.settings.recovery_margin_s, self.settings.lost_trigger_after_s)
             self._margins = self.settings.model_copy(update={"lost_trigger_after_s": short})
         report = Report()
-        pacer = Pacer(
+        pacer = self.pacer = Pacer(
             1.0 if recovery else PASS_SHARE,
             slice_s=self.slice_s,
             max_rest_s=self.settings.lock_ttl_s / 3,
@@ -411,6 +417,7 @@ class Reconciler:
             report.orphan_chunks.append(chunk_set)
             log.info("reconciler: purged chunk set %s that no body refers to", chunk_set)
         report.rested_s = pacer.rested_s
+        self.pacer = None
         self.passes += 1
         self.last_report = report
         return report

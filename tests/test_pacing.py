@@ -3,9 +3,12 @@ pause after a run, and the pacer's bookkeeping. Pure arithmetic and a fake clock
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from jsqueue.pacing import Pacer, cycle_rest, rest_after
+from support.queue import eventually
 
 
 def test_rest_after_keeps_the_work_to_its_share() -> None:
@@ -71,3 +74,26 @@ def test_a_share_outside_the_unit_interval_is_refused(share: float) -> None:
         Pacer(share)
     with pytest.raises(ValueError, match="slice"):
         Pacer(0.5, slice_s=0.0)
+
+
+async def test_hurry_ends_the_rest_under_way_and_the_rests_after_it() -> None:
+    """A run wanted done soon (a recovery pass waits behind it) stops resting at once."""
+    t = FakeTime()
+    woke = asyncio.Event()
+
+    async def long_sleep(seconds: float) -> None:
+        t.rests.append(seconds)
+        await woke.wait()  # a rest that would last until the test ends
+
+    pacer = Pacer(0.001, clock=t.clock, sleep=long_sleep)
+    t.now += 1.0
+    step = asyncio.create_task(pacer.step())
+    await eventually(lambda: pacer.resting, what="a rest of about 1 000 s under way")
+    t.now += 0.5
+    pacer.hurry()
+    await asyncio.wait_for(step, 5)
+    assert not pacer.resting and pacer.rested_s == pytest.approx(0.5)
+    t.now += 10.0
+    await asyncio.wait_for(pacer.step(), 5)  # no rest any more
+    assert t.rests == [pytest.approx(999.0)]
+    pacer.hurry()  # idempotent

@@ -269,6 +269,36 @@ async def test_orphan_bodies_and_chunks(
     assert await rec.inventory.orphan_chunks(utcnow() + HOUR, thorough=True) == []
 
 
+async def test_a_lost_body_discard_leaves_an_orphan_the_sweep_deletes(
+    queue_harness: Harness, make_reconciler: MakeReconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a delivery the worker purges the body without awaiting an answer
+    (``BodyStore.discard``); a purge the server never got leaves the body without its
+    entry, and the sweep deletes it once ``orphan_after_s`` has passed: a lost best-effort
+    write costs storage for a while, never a message, and nothing stays for good."""
+    h = queue_harness
+    h.dns.add(ZONE)
+    lost: list[str] = []
+
+    async def lost_discard(queue_id: str) -> None:
+        lost.append(queue_id)  # sent, never applied
+
+    monkeypatch.setattr(h.stores.bodies, "discard", lost_discard)
+    async with SmtpdMx("127.0.2.120", h.mx_port) as mx:
+        e = make_entry(None, domain=DOMAIN)
+        await store(h.stores, e, work=True)
+        async with h.running():
+            await eventually(lambda: gone(h.stores, e.id), 15, what="delivered, entry removed")
+    assert lost == [e.id] and len(mx.delivered) == 1
+    assert (await h.stores.bodies.info(e.id)).size > 0  # the body outlived its entry
+    rec: Reconciler = await make_reconciler()
+    assert (await rec.run_once(full=True)).orphan_bodies == []  # young: left alone
+    rec.clock = shifted(timedelta(seconds=SETTINGS.orphan_after_s + 60))
+    assert (await rec.run_once(full=False)).orphan_bodies == [e.id]  # any pass, not only full
+    with pytest.raises(BodyNotFound):
+        await h.stores.bodies.info(e.id)
+
+
 async def test_final_entries_are_finished_or_expire(
     queue_harness: Harness, make_reconciler: MakeReconciler
 ) -> None:
@@ -497,6 +527,24 @@ async def test_a_regular_pass_rests_as_it_reads_and_a_recovery_pass_does_not(
     assert report.rested_s >= 0.8 * (1 - PASS_SHARE) * wall, (report.rested_s, wall)
     recovery = await rec.run_once(full=True, recovery=True)
     assert recovery.entries_read >= 150 and recovery.rested_s == 0
+
+
+async def test_a_reconnect_ends_the_rests_of_the_pass_under_way(
+    queue_harness: Harness, make_reconciler: MakeReconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A regular pass over a large queue rests for long; a NATS reconnect asks for a
+    recovery pass (work items may be lost), which must not wait for those rests: the pass
+    under way goes on at full speed, and the recovery pass follows."""
+    for _ in range(150):
+        await store(queue_harness.stores, entry(), work=True)
+    rec = await make_reconciler(lock_ttl_s=600.0)  # rests of up to 200 s
+    rec.slice_s = 1e-6
+    monkeypatch.setattr("jsqueue.reconciler.PASS_SHARE", 1e-4)
+    regular = asyncio.create_task(rec.run_once(full=True))
+    await eventually(lambda: rec.pacer is not None and rec.pacer.resting, what="a rest")
+    rec.nats_reconnected()
+    report = await asyncio.wait_for(regular, 10)
+    assert report.entries_read >= 150 and rec.pacer is None
 
 
 async def test_a_long_pass_stretches_the_pause_after_it(
