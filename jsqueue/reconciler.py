@@ -371,15 +371,17 @@ class Reconciler:
         subjects = await inv.work_subjects()
         bodies = await inv.body_ids()
         report.entries_listed = len(ids)
-        with_trigger: dict[str, set[str]] = {}
+        # A tuple per entry, not a set: at a million entries that is ~170 MB less.
+        with_trigger: dict[str, tuple[str, ...]] = {}
         for s in subjects:
             qid = self.names.queue_id_of_work_subject(s)
             if qid is not None:
-                with_trigger.setdefault(qid, set()).add(s)
+                with_trigger[qid] = (*with_trigger.get(qid, ()), s)
+        del subjects  # not kept through a pass that may last many minutes
         # Keys of deleted entries stay listed until their marker expires: read each once.
         known_gone = set() if full else self._gone & ids
         to_read = sorted(ids if full else ids - with_trigger.keys() - known_gone)
-        live: set[str] = ids - set(to_read) - known_gone
+        live: set[str] = set() if full else ids - set(to_read) - known_gone
         self._gone = set(known_gone)
         for i in range(0, len(to_read), READ_BATCH):
             await self._keep_lock()
