@@ -4,7 +4,9 @@ deferred entries and work items (due in an hour) written straight to JetStream, 
 ``compare.py``'s deferred scenario does; once the worker holds them all (each a NAK-delayed,
 ack-pending item of the one consumer) it measures:
 
-- nats-server and worker RSS, and their CPU at rest (``--rest-s`` seconds, no mail);
+- nats-server, worker and front-end RSS (all three in the JSON) and CPU at rest
+  (``--rest-s`` seconds, no mail: the reconciler's passes and the exporter's depth scan
+  are what runs then);
 - latency of fresh mail through the same consumer (``--fresh`` messages, one at a time:
   the client's 250 to the sink's count);
 - a nats-server restart (SIGTERM, start on the same store and port): seconds until it is
@@ -15,6 +17,9 @@ fresh mail then waits for a deferred item to come due, which ``jsqueue_ack_pendi
 and a log line report (jsqueue.saturation); the fresh-mail figure says what it costs.
 
     .venv/bin/python bench/backlog.py --sizes 10000,100000
+
+``--baseline DIR`` runs the jsqueue package of another checkout (a ``git worktree``) for an
+A/B; run it from outside the repository (the current directory comes first on the path).
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def measure(
         "JSQUEUE_NATS__PORT": str(nats_port),
         "JSQUEUE_NATS__MAX_ACK_PENDING": str(args.max_ack_pending),
     }
+    if args.baseline is not None:  # the jsqueue package of another checkout (an A/B)
+        env["PYTHONPATH"] = str(args.baseline.resolve())
     system = JsqueueSystem(workdir / f"b{size}", dns, sink.port, env, SINK_ADDRESSES[DOMAIN])
     print(f"{size} deferred entries ...", flush=True)
     system.start()
@@ -102,7 +109,12 @@ def measure(
         out["taken_s"] = time.monotonic() - started
         out["pending"], out["ack_pending"] = pending, ack_pending
         print(f"  worker holds {ack_pending} ({pending} waiting) after {out['taken_s']:.0f} s")
-        pids = {"nats-server": system._nats_server_pid, "worker": system.worker.pid}
+        assert system.smtp is not None
+        pids = {
+            "nats-server": system._nats_server_pid,
+            "worker": system.worker.pid,
+            "front end": system.smtp.pid,
+        }
         out["cpu_at_rest"] = _cpu_at_rest(pids, args.rest_s)
         out["rss_mib"] = {k: rss_kib(p) / 1024 for k, p in pids.items()}
         lat = [_latency(system, sink, i, args.fresh_timeout_s) for i in range(args.fresh)]
@@ -143,6 +155,9 @@ def main() -> None:
         default=1_000_000,
         help="nats.max_ack_pending of the jsqueue measured (the default setting's value)",
     )
+    parser.add_argument(
+        "--baseline", type=Path, help="run the jsqueue package of this checkout instead"
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -160,12 +175,15 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     lines = [
-        f"Backlog curve, {stamp} UTC, load average before {load}:",
+        f"Backlog curve, {stamp} UTC, load average before {load}"
+        + (f", jsqueue of {args.baseline}" if args.baseline else "")
+        + ":",
         "",
         "| deferred | populate s | worker took s | nats-server RSS MiB | worker RSS MiB "
-        "| nats CPU at rest % | worker CPU at rest % | fresh mail p50 / max ms "
+        "| nats CPU at rest % | worker CPU at rest % | front end CPU at rest % "
+        "| fresh mail p50 / max ms "
         "| nats restart: ready s | first delivery after ready s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lat, rs = r["fresh_latency_ms"], r["restart"]
@@ -179,6 +197,7 @@ def main() -> None:
             f"| {f(r['rss_mib']['nats-server'])} | {f(r['rss_mib']['worker'])} "
             f"| {f(100 * r['cpu_at_rest']['nats-server'], 1)} "
             f"| {f(100 * r['cpu_at_rest']['worker'], 1)} "
+            f"| {f(100 * r['cpu_at_rest']['front end'], 1)} "
             f"| {f(lat['p50'])} / {f(lat['max'])}{lost} "
             f"| {f(rs['ready_s'], 1)} | {f(rs['first_delivery_s'], 1)} |"
         )

@@ -292,7 +292,8 @@ class Reconciler:
                     log.warning("reconciler pass failed: %s", e)
                 except Exception:  # a bug must not end the sweeping for good: log, go on
                     log.exception("reconciler pass failed unexpectedly")
-                self.pacer = None  # (a pass that failed leaves its own)
+                if self.pacer is not None:  # the pass failed: its rests are not work either
+                    rested, self.pacer = self.pacer.rested_s, None
                 wall = time.monotonic() - started
                 busy = wall - rested
                 self._pause_s = cycle_rest(self.settings.interval_s, busy, wall, PASS_SHARE)

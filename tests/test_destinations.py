@@ -193,6 +193,7 @@ async def test_message_rate_per_minute_holds_within_ten_percent(
     assert 0.9 * per_minute <= in_minute <= 1.1 * per_minute, in_minute
 
 
+@pytest.mark.serial  # bounds how soon a dead worker's slots expire: not under a parallel load
 async def test_killed_worker_slots_free_within_ttl(
     nats_server: EmbeddedNats, names: Names, tmp_path: Path
 ) -> None:

@@ -36,7 +36,7 @@ from support.cases import case_message
 from support.dkim import TestKey, verify
 from support.dns import DnsServer
 from support.opendkim import AUTHSERV_ID, OpenDkim
-from support.postfix import SWAKS, JsqueueProcess, Postfix, make_workdir, require_tools
+from support.postfix import SWAKS, JsqueueProcess, Postfix, make_workdir, require_tools, up_env
 
 MODERN = "modern.example.test"
 LEGACY = "legacy.example.test"
@@ -102,29 +102,7 @@ def site(workdir: Path, author: TestKey) -> Iterator[Site]:
             listeners={legacy_host: {"smtpd_discard_ehlo_keywords": "8bitmime"}},
         )
         mx.start()
-        env = {
-            "JSQUEUE_NATS__STORE_DIR": str(workdir / "nats"),
-            "JSQUEUE_NATS__PORT": "0",
-            "JSQUEUE_NATS__PREFIX": "jsqdkim",
-            "JSQUEUE_SMTP__HOST": "127.0.0.1",
-            "JSQUEUE_SMTP__PORT": "0",
-            "JSQUEUE_SMTP__HOSTNAME": "relay.jsqueue.example.test",
-            "JSQUEUE_WORKER__MX_PORT": str(mx.port),
-            "JSQUEUE_WORKER__NAMESERVERS": f'["{dns.host}"]',
-            "JSQUEUE_WORKER__NAMESERVER_PORT": str(dns.port),
-            "JSQUEUE_WORKER__DNS_TIMEOUT_S": "2",
-            "JSQUEUE_WORKER__CONNECT_TIMEOUT_S": "2",
-            "JSQUEUE_WORKER__EHLO_NAME": "relay.jsqueue.example.test",
-            "JSQUEUE_WORKER__BODY_CACHE_DIR": str(workdir / "cache"),
-            "JSQUEUE_WORKER__DRAIN_TIMEOUT_S": "5",
-            "JSQUEUE_WORKER__DKIM__KEYS_DIR": str(keys),
-            "JSQUEUE_RETRY__BASE_S": "1",
-            "JSQUEUE_RETRY__FACTOR": "1",
-            "JSQUEUE_RETRY__JITTER": "0",
-            "JSQUEUE_DSN__REPORTING_MTA": "relay.jsqueue.example.test",
-            "JSQUEUE_HTTP__PORT": "0",
-            "JSQUEUE_LOG__LEVEL": "INFO",
-        }
+        env = up_env(workdir, mx, dns, nats__prefix="jsqdkim", worker__dkim__keys_dir=str(keys))
         jsq = JsqueueProcess(["up"], env, workdir / "jsqueue.log").start()
         try:
             port = int(jsq.wait_for_log(r"SMTP front end listening on [\d.]+:(\d+)").group(1))

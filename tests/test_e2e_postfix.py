@@ -45,6 +45,7 @@ from support.postfix import (
     Postfix,
     make_workdir,
     require_tools,
+    up_env,
 )
 
 DEST = "dest.example.test"
@@ -93,28 +94,7 @@ def site(workdir: Path) -> Iterator[Site]:
     )
     with DnsServer(zone) as dns:
         mx.start()
-        env = {
-            "JSQUEUE_NATS__STORE_DIR": str(workdir / "nats"),
-            "JSQUEUE_NATS__PORT": "0",
-            "JSQUEUE_NATS__PREFIX": PREFIX,
-            "JSQUEUE_SMTP__HOST": "127.0.0.1",
-            "JSQUEUE_SMTP__PORT": "0",
-            "JSQUEUE_SMTP__HOSTNAME": "relay.jsqueue.example.test",
-            "JSQUEUE_WORKER__MX_PORT": str(mx.port),
-            "JSQUEUE_WORKER__NAMESERVERS": f'["{dns.host}"]',
-            "JSQUEUE_WORKER__NAMESERVER_PORT": str(dns.port),
-            "JSQUEUE_WORKER__DNS_TIMEOUT_S": "2",
-            "JSQUEUE_WORKER__CONNECT_TIMEOUT_S": "2",
-            "JSQUEUE_WORKER__EHLO_NAME": "relay.jsqueue.example.test",
-            "JSQUEUE_WORKER__BODY_CACHE_DIR": str(workdir / "cache"),
-            "JSQUEUE_WORKER__DRAIN_TIMEOUT_S": "5",
-            "JSQUEUE_RETRY__BASE_S": "1",
-            "JSQUEUE_RETRY__FACTOR": "1",
-            "JSQUEUE_RETRY__JITTER": "0",
-            "JSQUEUE_DSN__REPORTING_MTA": "relay.jsqueue.example.test",
-            "JSQUEUE_HTTP__PORT": "0",
-            "JSQUEUE_LOG__LEVEL": "INFO",
-        }
+        env = up_env(workdir, mx, dns, nats__prefix=PREFIX)
         jsq = JsqueueProcess(["up"], env, workdir / "jsqueue.log").start()
         try:
             nats_url = jsq.wait_for_log(r"embedded nats-server on (nats://\S+)").group(1)

@@ -28,7 +28,15 @@ import requests
 
 from jsqueue.http.auth import Role, add_token
 from support.dns import DnsServer
-from support.postfix import SWAKS, JsqueueProcess, Postfix, free_port, make_workdir, require_tools
+from support.postfix import (
+    SWAKS,
+    JsqueueProcess,
+    Postfix,
+    free_port,
+    make_workdir,
+    require_tools,
+    up_env,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,24 +65,13 @@ def chain() -> Iterator[Chain]:
     try:
         with DnsServer(zone) as dns:
             mx.start()
-            env = {
-                "JSQUEUE_NATS__STORE_DIR": str(workdir / "nats"),
-                "JSQUEUE_NATS__PORT": "0",
-                "JSQUEUE_SMTP__HOST": "127.0.0.1",
-                "JSQUEUE_SMTP__PORT": str(smtp_port),
-                "JSQUEUE_SMTP__HOSTNAME": "relay.jsqueue.example.test",
-                "JSQUEUE_WORKER__MX_PORT": str(mx.port),
-                "JSQUEUE_WORKER__NAMESERVERS": f'["{dns.host}"]',
-                "JSQUEUE_WORKER__NAMESERVER_PORT": str(dns.port),
-                "JSQUEUE_WORKER__DNS_TIMEOUT_S": "2",
-                "JSQUEUE_WORKER__EHLO_NAME": "relay.jsqueue.example.test",
-                "JSQUEUE_WORKER__BODY_CACHE_DIR": str(workdir / "cache"),
-                "JSQUEUE_WORKER__DRAIN_TIMEOUT_S": "5",
-                "JSQUEUE_RETRY__BASE_S": "1",
-                "JSQUEUE_HTTP__PORT": "0",
-                "JSQUEUE_API__TOKENS_FILE": str(workdir / "tokens"),
-                "JSQUEUE_LOG__LEVEL": "INFO",
-            }
+            env = up_env(
+                workdir,
+                mx,
+                dns,
+                smtp__port=str(smtp_port),
+                api__tokens_file=str(workdir / "tokens"),
+            )
             jsq = JsqueueProcess(["up"], env, workdir / "jsqueue.log").start()
             submit = Postfix(
                 workdir / "submit",

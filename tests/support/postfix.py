@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 #: Where the Debian package puts the commands.
 POSTFIX = "/usr/sbin/postfix"
@@ -450,6 +451,43 @@ class Postfix:
 
 
 # --------------------------------------------------------------------------- jsqueue CLI
+
+
+class DnsHost(Protocol):
+    """Where a test DNS server answers (``support.dns.DnsServer``)."""
+
+    host: str
+    port: int
+
+
+def up_env(workdir: Path, mx: Postfix, dns: DnsHost, **more: str) -> dict[str, str]:
+    """The ``JSQUEUE_*`` settings of a ``jsqueue up`` that delivers to ``mx`` (its MX
+    records served by ``dns``): an embedded nats-server and the front end on any port of
+    127.0.0.1, short timeouts and retries, logs at INFO; ``more`` adds or overrides
+    settings (``JSQUEUE_`` and the upper case added: ``NATS__PREFIX="jsq"``)."""
+    env = {
+        "JSQUEUE_NATS__STORE_DIR": str(workdir / "nats"),
+        "JSQUEUE_NATS__PORT": "0",
+        "JSQUEUE_SMTP__HOST": "127.0.0.1",
+        "JSQUEUE_SMTP__PORT": "0",
+        "JSQUEUE_SMTP__HOSTNAME": "relay.jsqueue.example.test",
+        "JSQUEUE_WORKER__MX_PORT": str(mx.port),
+        "JSQUEUE_WORKER__NAMESERVERS": f'["{dns.host}"]',
+        "JSQUEUE_WORKER__NAMESERVER_PORT": str(dns.port),
+        "JSQUEUE_WORKER__DNS_TIMEOUT_S": "2",
+        "JSQUEUE_WORKER__CONNECT_TIMEOUT_S": "2",
+        "JSQUEUE_WORKER__EHLO_NAME": "relay.jsqueue.example.test",
+        "JSQUEUE_WORKER__BODY_CACHE_DIR": str(workdir / "cache"),
+        "JSQUEUE_WORKER__DRAIN_TIMEOUT_S": "5",
+        "JSQUEUE_RETRY__BASE_S": "1",
+        "JSQUEUE_RETRY__FACTOR": "1",
+        "JSQUEUE_RETRY__JITTER": "0",
+        "JSQUEUE_DSN__REPORTING_MTA": "relay.jsqueue.example.test",
+        "JSQUEUE_HTTP__PORT": "0",
+        "JSQUEUE_LOG__LEVEL": "INFO",
+    }
+    env.update({f"JSQUEUE_{k.upper()}": v for k, v in more.items()})
+    return env
 
 
 class JsqueueProcess:
