@@ -188,6 +188,9 @@ class Reconciler:
         names: object names.
         clock: returns the current aware UTC time.
         slice_s: work between two rests of a regular pass, seconds (:class:`Pacer`).
+
+    Attributes:
+        pacer: the pacer of the pass under way (None between passes).
     """
 
     def __init__(
@@ -218,7 +221,7 @@ class Reconciler:
         self._recovery_at: float | None = time.monotonic() + settings.recovery_margin_s
         self._wake = asyncio.Event()
         self.slice_s = slice_s
-        self.pacer: Pacer | None = None  # the pacer of the pass under way
+        self.pacer: Pacer | None = None
         self._pause_s = settings.interval_s  # from the end of the last pass to the next
 
     def nats_reconnected(self) -> None:

@@ -43,7 +43,8 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
+
+from support.dns import DnsServer
 
 #: Where the Debian package puts the commands.
 POSTFIX = "/usr/sbin/postfix"
@@ -453,14 +454,7 @@ class Postfix:
 # --------------------------------------------------------------------------- jsqueue CLI
 
 
-class DnsHost(Protocol):
-    """Where a test DNS server answers (``support.dns.DnsServer``)."""
-
-    host: str
-    port: int
-
-
-def up_env(workdir: Path, mx: Postfix, dns: DnsHost, **more: str) -> dict[str, str]:
+def up_env(workdir: Path, mx: Postfix, dns: DnsServer, **more: str) -> dict[str, str]:
     """The ``JSQUEUE_*`` settings of a ``jsqueue up`` that delivers to ``mx`` (its MX
     records served by ``dns``): an embedded nats-server and the front end on any port of
     127.0.0.1, short timeouts and retries, logs at INFO; ``more`` adds or overrides
