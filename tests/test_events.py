@@ -120,6 +120,12 @@ async def test_queue_publishes_every_state_change(
             await eventually(lambda: mx.connections == 1, what="first attempt")
             mx.rcpt_replies.clear()
             await eventually(lambda: len(mx.delivered) == 1, what="retry delivered")
+
+            # the MX has the message; the worker records (and publishes) it just after
+            async def gone() -> bool:
+                return await h.entry(qid) is None
+
+            await eventually(gone, what="entry removed")
         assert await publisher.flush(10)
     async with following(h.settings.nats, nats_server.url, names, from_start=True) as seen:
         await eventually(lambda: len(seen) >= 3, what="three events")

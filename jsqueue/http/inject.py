@@ -9,17 +9,21 @@ domain are created, and only then is the queue id returned, as SMTP's ``250`` (D
 
 Idempotency (``Idempotency-Key``, scoped to the token's name, ``api.idempotency_window_s``):
 
-1. a *stored* record (written after the message is durable) answers at once with the first
-   queue id, even when that message has been delivered and removed meanwhile;
+1. a *stored* record (written after the message is durable) answers with the first queue id,
+   even when that message has been delivered and removed meanwhile;
 2. otherwise the key is claimed in the ingest log (one create-if-absent write), so two
    requests with the same key race for one claim; the loser waits (up to
-   ``smtp.store_timeout_s``) for the winner's stored record and answers with its id; if
-   the winner failed (no stored record comes), the loser takes the claim over and stores;
+   ``smtp.store_timeout_s``) for the winner's stored record, or its entry, and answers with
+   its id; if the winner failed (neither comes), the loser takes the claim over and stores;
 3. a different key never merges: SMTP's content-based resend protection is off here;
 4. the same key with a different request (another envelope or message: the request's
    SHA-256 ``fingerprint`` differs) is refused with :class:`RequestRejected` (HTTP 422, as
    draft-ietf-httpapi-idempotency-key-header §2.7 has it) and stores nothing, rather than
-   answering with the first queue id and dropping the second message.
+   answering with the first queue id and dropping the second message. The winner records
+   its fingerprint *before* it stores, and the verdict reads that record through the
+   stream leader (``consistent``), so whatever a loser has seen of the first message (its
+   stored record or its entry), the fingerprint record is there to compare with: a retry
+   is never refused, and a different request is never taken for a retry.
 
 Requests with the same key are also serialised within one process (a lock per key). The
 records live in the NATS servers' memory (the ingest log): a full NATS restart forgets
@@ -179,43 +183,59 @@ class Injector:
         claim, stored, same = _keys(who, idempotency_key, fingerprint)
         window = self._settings.api.idempotency_window_s
         async with self._serialised(claim):
-            earlier = await log_.lookup(same, window)
-            if earlier is not None:
-                return self._duplicate(earlier, tx)
             earlier = await log_.lookup(stored, window)
             if earlier is not None:
-                raise RequestRejected(_reused(idempotency_key, earlier))
+                return await self._verdict(earlier, same, idempotency_key, tx)
             queue_id = new_queue_id()
             other = await log_.claim(claim, queue_id, window)
             if other is not None:
                 found = await self._wait_stored(stored, other, window)
                 if found is not None:
-                    if await log_.lookup(same, window) is None and (
-                        await log_.lookup(stored, window) is not None
-                    ):
-                        raise RequestRejected(_reused(idempotency_key, found))
-                    return self._duplicate(found, tx)
+                    return await self._verdict(found, same, idempotency_key, tx)
                 log.info("idempotency key of %s: taking over from %s", who.name, other)
                 await log_.record(claim, queue_id)
             try:
+                # Before the message exists: whoever sees it can compare fingerprints.
+                await log_.record(same, queue_id)
                 result = await self._store(tx, who, queue_id)
-            except NotQueued:
+            except (NotQueued, StoreUnavailable):
                 try:
                     await log_.forget(claim, queue_id)
                 except (StoreUnavailable, OSError) as e:
                     log.warning("%s: idempotency claim kept (%s)", queue_id, e)
                 raise
             try:
-                await log_.record(same, queue_id)
                 await log_.record(stored, queue_id)
-            except StoreUnavailable as e:  # stored; only the resend protection is weaker
+                # again, so that it lives as long as the stored record (not store_timeout_s
+                # less, when the log expires records at the end of the window)
+                await log_.record(same, queue_id)
+            except StoreUnavailable as e:  # stored; a retry finds the entry instead
                 log.warning("%s: queued, but its idempotency record failed (%s)", queue_id, e)
             return result
 
+    async def _verdict(
+        self, found: str, same: str, idempotency_key: str, tx: Transaction
+    ) -> InjectResult:
+        """A retry of the request that stored ``found`` (a duplicate), or a different
+        request reusing its key: its fingerprint record ``same`` (read through the leader;
+        written before the message was stored and again after its stored record, so up to
+        ``smtp.store_timeout_s`` older when the second write failed) names another id.
+
+        Raises:
+            RequestRejected: the key was used for a request with another fingerprint.
+            StoreUnavailable: the ingest log could not be read.
+        """
+        assert self._stores.ingest is not None
+        max_age_s = self._settings.api.idempotency_window_s + self._settings.smtp.store_timeout_s
+        mine = await self._stores.ingest.lookup(same, max_age_s, consistent=True)
+        if mine != found:
+            raise RequestRejected(_reused(idempotency_key, found))
+        return self._duplicate(found, tx)
+
     async def _wait_stored(self, stored: str, other: str, window: float) -> str | None:
         """The queue id a concurrent request with the same key stored: its stored record,
-        or its entry ``other`` once it exists (the entry is written last), waited for up to
-        ``smtp.store_timeout_s`` (its ingest's bound). None: it did not store.
+        or its entry ``other`` once it exists (written after its fingerprint record), waited
+        for up to ``smtp.store_timeout_s`` (its ingest's bound). None: it did not store.
 
         Raises:
             StoreUnavailable: the ingest log or the entry could not be read.

@@ -341,8 +341,11 @@ class IngestLog(Protocol):
     (``smtp.dedupe_window_s``); a backend may expire them after that.
     """
 
-    async def lookup(self, key: str, max_age_s: float) -> str | None:
+    async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
         """The queue id recorded under ``key`` at most ``max_age_s`` seconds ago, else None.
+
+        ``consistent``: the read sees every write acknowledged before it (on a replicated
+        backend it asks the leader; otherwise a replica that lags may answer).
 
         Raises:
             InvalidName: ``key`` is not 64 lower-case hex characters.

@@ -343,8 +343,8 @@ class MemoryIngestLog:
         self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._max_age_s = 0.0
 
-    async def lookup(self, key: str, max_age_s: float) -> str | None:
-        """See :meth:`IngestLog.lookup`."""
+    async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
+        """See :meth:`IngestLog.lookup` (always consistent here)."""
         check_ingest_key(key)
         self._max_age_s = max(self._max_age_s, max_age_s)
         found = self._records.get(key)

@@ -52,12 +52,15 @@ class JetStreamIngestLog:
         # forget() of one of them needs no read first (a request less per message).
         self._claimed: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
-    async def lookup(self, key: str, max_age_s: float) -> str | None:
-        """See :meth:`IngestLog.lookup`."""
+    async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
+        """See :meth:`IngestLog.lookup`: a direct get (any replica may answer), or with
+        ``consistent`` a get through the stream leader."""
         check_ingest_key(key)
         with translate(f"ingest {key[:12]}: read"):
             try:
-                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=True)
+                msg = await self.js.get_msg(
+                    self.stream, subject=self._pre + key, direct=not consistent
+                )
             except nats.js.errors.NotFoundError:
                 return None
         if not msg.data:
@@ -91,7 +94,8 @@ class JetStreamIngestLog:
         except nats.js.errors.APIError as e:
             if not is_wrong_last_seq(e):
                 raise unavailable(what, e) from e
-        earlier = await self.lookup(key, max_age_s)
+        # Through the leader: a lagging replica could miss the record the put collided with.
+        earlier = await self.lookup(key, max_age_s, consistent=True)
         if earlier is None:  # older than the window: take its place
             await self.record(key, queue_id)
         # (our own id: a retried claim that was stored after all)
