@@ -100,6 +100,7 @@ def log_outcome(
     (seconds), the next attempt, the TLS policy note (which policy applied and why, ``-``
     when no session ran), ``uncertain=yes`` after a final ``.`` without a reply (RFC 5321
     §6.1) and the DKIM signature; the same as JSON fields (``extra``)."""
+    text = str(reply) if reply else None
     log.info(
         "queue=%s to=<%s> domain=%s outcome=%s mx=%s reply=%r attempts=%d "
         "took=%.3fs delay=%.0fs next=%s tls=%r%s%s",
@@ -108,7 +109,7 @@ def log_outcome(
         domain,
         outcome,
         mx or "-",
-        str(reply) if reply else "",
+        text or "",
         r.attempts,
         took_s,
         age_s,
@@ -123,12 +124,13 @@ def log_outcome(
             "domain": domain,
             "outcome": outcome,
             "mx": mx,
-            "reply": str(reply) if reply else None,
+            "reply": text,
             "attempts": r.attempts,
             "took_s": round(took_s, 3),
             "delay_s": round(age_s, 3),
             "next_attempt_at": r.next_attempt_at,
             "uncertain": uncertain,
-            "tls": reply.tls.model_dump() if reply and reply.tls else None,
+            # the note itself: JsonFormatter dumps it, only when JSON lines are written
+            "tls": reply.tls if reply else None,
         },
     )

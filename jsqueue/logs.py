@@ -6,6 +6,8 @@ import json
 import logging
 from datetime import UTC, datetime
 
+from pydantic import BaseModel
+
 from jsqueue.config import LogSettings
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -13,7 +15,8 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"messa
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time (UTC, ISO 8601), level, logger, message and any
-    ``extra`` fields (queue_id, recipient, outcome ...)."""
+    ``extra`` fields (queue_id, recipient, outcome ...); a pydantic model among them as
+    its fields, a value ``json`` has no type for (a datetime) as ``str``."""
 
     def format(self, record: logging.LogRecord) -> str:
         """Render ``record`` as a JSON line."""
@@ -26,7 +29,13 @@ class JsonFormatter(logging.Formatter):
         out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return json.dumps(out, default=_jsonable)
+
+
+def _jsonable(value: object) -> object:
+    """A field ``json`` cannot write: a pydantic model as its fields (``model_dump``: a
+    :class:`~jsqueue.replies.TlsNote` as the entry keeps it), anything else as ``str``."""
+    return value.model_dump() if isinstance(value, BaseModel) else str(value)
 
 
 def setup_logging(settings: LogSettings) -> None:
@@ -36,6 +45,11 @@ def setup_logging(settings: LogSettings) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # No line of ours names a thread or process: leave those look-ups out of every record
+    # (the logging HOWTO's "Optimization"; one line per recipient and attempt).
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level)

@@ -215,6 +215,8 @@ async def test_attempt_log_line_as_json(
     assert data["attempts"] == 1
     assert data["took_s"] >= 0 and data["delay_s"] >= data["took_s"]
     assert data["next_attempt_at"] is None
+    # the TLS policy note as its fields (RFC 8461 / 7672 policy; no STARTTLS offered here)
+    assert data["tls"]["policy"] == "opportunistic" and "tls" not in data["tls"]
     assert f"queue={qid}" in data["message"] and "outcome=delivered" in data["message"]
     assert re.match(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", data["time"])
     assert LogSettings(json_format=True).json_format  # the switch that selects this format
