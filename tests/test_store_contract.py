@@ -637,8 +637,10 @@ async def test_ingest_claim_records_once_per_window(stores: Stores) -> None:
     assert await log.claim(key, second, 60) == first
     assert await log.claim(key, first, 60) is None
     assert await log.lookup(key, 60) == first
+    assert await log.lookup(key, 60, consistent=True) == first  # the leader's answer
     assert await log.claim(key, second, -1) is None  # the record is older than the window
     assert await log.lookup(key, 60) == second
+    assert await log.lookup(key, -1, consistent=True) is None  # past the window
     with pytest.raises(InvalidName):
         await log.claim("A" * 64, first, 60)
 
