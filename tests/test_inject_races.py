@@ -17,11 +17,11 @@ import pytest
 from jsqueue.config import Settings
 from jsqueue.errors import EntryNotFound, RequestRejected
 from jsqueue.events import NULL_OBSERVER
-from jsqueue.http.inject import Injector, Submitter
+from jsqueue.http.inject import Injector, NotQueued, Submitter
 from jsqueue.http.message import Transaction, transaction
 from jsqueue.http.models import InjectBody
-from jsqueue.store.base import IngestLog, Stores
-from jsqueue.store.memory import open_memory
+from jsqueue.store.base import Held, IngestLog, Stores
+from jsqueue.store.memory import MemoryIngestLog, open_memory
 
 WHO = Submitter("app", "api:app", "127.0.0.1")
 KEY = "order-4711"
@@ -44,16 +44,51 @@ class _Gated:
     before the gate, answered after it), ``records_once_stored`` holds a record() made when
     the message it names already has an entry."""
 
-    def __init__(self, inner: IngestLog, stores: Stores) -> None:
-        self.inner = inner
+    def __init__(self, inner: IngestLog, stores: Stores, box: list[IngestLog] | None = None):
+        self.box = box if box is not None else [inner]  # shared: one log, as on NATS
         self.stores = stores
         self.gate = asyncio.Event()
         self.waiting = asyncio.Event()
         self.after_first_lookup = False
         self.records_once_stored = False
+        self.hold_after_claim = False
+        self.claim_barrier: asyncio.Barrier | None = None
+        self.restart_once_stored = False
+        self.claimed = asyncio.Event()
         self._lookups = 0
+        self._claim_key: str | None = None
+        self._held_once = False
+        self._met = False
+        self._restarted = False
+
+    @property
+    def inner(self) -> IngestLog:
+        return self.box[0]
+
+    async def _restart(self) -> None:
+        """With ``restart_once_stored``: at this process's first call once its message has
+        an entry, the log is lost (a NATS restart: the ingest log lives in memory)."""
+        if self.restart_once_stored and not self._restarted and await self.stores.entries.page():
+            self._restarted = True
+            self.box[0] = MemoryIngestLog()
+
+    async def _after_claim(self) -> None:
+        """With ``hold_after_claim``: this process stops at its first step after its claim
+        (as if it died there, or was slow), until the gate opens."""
+        if self.hold_after_claim and self._claim_key is not None and not self._held_once:
+            self._held_once = True
+            self.waiting.set()
+            await self.gate.wait()
+
+    async def _claim_write(self, key: str) -> None:
+        """With ``claim_barrier``: the first write of the claimed key (a take-over) waits
+        until the other process makes its own."""
+        if self.claim_barrier is not None and key == self._claim_key and not self._met:
+            self._met = True
+            await self.claim_barrier.wait()
 
     async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
+        await self._after_claim()
         found = await self.inner.lookup(key, max_age_s, consistent=consistent)
         self._lookups += 1
         if self.after_first_lookup and self._lookups == 1:
@@ -62,13 +97,34 @@ class _Gated:
         return found
 
     async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
-        return await self.inner.claim(key, queue_id, max_age_s)
+        self._claim_key = key
+        try:
+            return await self.inner.claim(key, queue_id, max_age_s)
+        finally:
+            self.claimed.set()
+
+    async def holder(self, key: str, max_age_s: float) -> Held:
+        await self._after_claim()
+        await self._restart()
+        return await self.inner.holder(key, max_age_s)
+
+    async def replace(self, key: str, version: int, queue_id: str) -> bool:
+        await self._after_claim()
+        await self._claim_write(key)
+        return await self.inner.replace(key, version, queue_id)
 
     async def record(self, key: str, queue_id: str) -> None:
+        await self._after_claim()
+        await self._claim_write(key)
+        await self._restart()
         if self.records_once_stored and await self._has_entry(queue_id):
             self.waiting.set()
             await self.gate.wait()
         await self.inner.record(key, queue_id)
+        if self._restarted and not self._held_once:  # stalls after its first record then
+            self._held_once = True
+            self.waiting.set()
+            await self.gate.wait()
 
     async def forget(self, key: str, queue_id: str) -> None:
         await self.inner.forget(key, queue_id)
@@ -99,6 +155,19 @@ class _Expiring(_Gated):
             return None
         return await super().lookup(key, max_age_s, consistent=consistent)
 
+    async def holder(self, key: str, max_age_s: float) -> Held:
+        held = await super().holder(key, max_age_s)
+        at = self._written.get(key)
+        if at is None or self.now - at > min(max_age_s, self.max_age_s):
+            return Held(None, held.version)
+        return held
+
+    async def replace(self, key: str, version: int, queue_id: str) -> bool:
+        written = await super().replace(key, version, queue_id)
+        if written:
+            self._written[key] = self.now
+        return written
+
     async def record(self, key: str, queue_id: str) -> None:
         if self.store_s and await self._has_entry(queue_id):
             self.now += self.store_s
@@ -107,19 +176,28 @@ class _Expiring(_Gated):
         await super().record(key, queue_id)
 
 
-def _two_processes() -> tuple[Stores, tuple[Injector, _Gated], tuple[Injector, _Gated]]:
+def _processes(
+    n: int, store_timeout_s: float = 0.3
+) -> tuple[Stores, list[tuple[Injector, _Gated]]]:
+    """``n`` injectors (as ``n`` API pods) over one queue, each with its own gate."""
     stores = open_memory()
     assert stores.ingest is not None
     settings = Settings()
     settings = settings.model_copy(
-        update={"smtp": settings.smtp.model_copy(update={"store_timeout_s": 1.0})}
+        update={"smtp": settings.smtp.model_copy(update={"store_timeout_s": store_timeout_s})}
     )
-    pair = []
-    for _ in range(2):
-        gated = _Gated(stores.ingest, stores)
+    out = []
+    box: list[IngestLog] = [stores.ingest]
+    for _ in range(n):
+        gated = _Gated(stores.ingest, stores, box)
         own = dataclasses.replace(stores, ingest=gated)
-        pair.append((Injector(settings, own, NULL_OBSERVER), gated))
-    return stores, pair[0], pair[1]
+        out.append((Injector(settings, own, NULL_OBSERVER), gated))
+    return stores, out
+
+
+def _two_processes() -> tuple[Stores, tuple[Injector, _Gated], tuple[Injector, _Gated]]:
+    stores, (a, b) = _processes(2)
+    return stores, a, b
 
 
 async def _entries(stores: Stores) -> int:
@@ -186,4 +264,70 @@ async def test_a_request_that_sees_only_the_entry_is_judged_by_its_fingerprint(
         assert retried.duplicate and retried.queue_id == first.queue_id
     else:
         assert first.queue_id in str(refused.value)
+    assert await _entries(stores) == 1
+
+
+async def test_two_retries_after_the_first_died_store_once() -> None:
+    """A claims the key and dies; B and C (the client's retries, through two other pods)
+    wait out ``smtp.store_timeout_s`` and take over at the same moment: exactly one stores
+    (the take-over is a compare-and-set on the claim), the other answers with its id."""
+    stores, procs = _processes(3)
+    (a, a_log), (b, b_log), (c, c_log) = procs
+    a_log.hold_after_claim = True
+    b_log.claim_barrier = c_log.claim_barrier = asyncio.Barrier(2)
+    tx = _tx("one")
+    dead = asyncio.create_task(a.inject(tx, WHO, idempotency_key=KEY, fingerprint="f1"))
+    await a_log.waiting.wait()
+    results = await asyncio.gather(
+        b.inject(tx, WHO, idempotency_key=KEY, fingerprint="f1"),
+        c.inject(tx, WHO, idempotency_key=KEY, fingerprint="f1"),
+    )
+    dead.cancel()
+    assert sorted(r.duplicate for r in results) == [False, True]
+    assert len({r.queue_id for r in results}) == 1
+    assert await _entries(stores) == 1
+
+
+@pytest.mark.parametrize("same_request", [True, False])
+async def test_a_first_request_slower_than_the_bound_stores_nothing(same_request: bool) -> None:
+    """A claims the key and stalls (a huge upload) past ``smtp.store_timeout_s``; B takes
+    the claim over and stores. When A goes on, it finds its claim taken and stores nothing
+    (503); A's client's retry then gets B's id, or 422 when B was a different request."""
+    stores, (a, a_log), (b, _) = _two_processes()
+    a_log.hold_after_claim = True
+    slow = asyncio.create_task(a.inject(_tx("one"), WHO, idempotency_key=KEY, fingerprint="f1"))
+    await a_log.waiting.wait()
+    fingerprint = "f1" if same_request else "f2"
+    taken = await b.inject(_tx("one"), WHO, idempotency_key=KEY, fingerprint=fingerprint)
+    a_log.gate.set()
+    with pytest.raises(NotQueued):
+        await slow
+    assert not taken.duplicate
+    assert [v.entry.id for v in await stores.entries.page()] == [taken.queue_id]
+    if same_request:
+        retried = await a.inject(_tx("one"), WHO, idempotency_key=KEY, fingerprint="f1")
+        assert retried.duplicate and retried.queue_id == taken.queue_id
+    else:
+        with pytest.raises(RequestRejected):
+            await a.inject(_tx("one"), WHO, idempotency_key=KEY, fingerprint="f1")
+
+
+async def test_a_retry_while_the_log_is_lost_after_the_first_stored_is_a_duplicate() -> None:
+    """NATS restarts (the ingest log, in memory, is lost) just after A's entry is written;
+    A writes its records again, and B, the identical retry, comes while A is between
+    them: B answers with A's id (never 422 "a different request"), and one message is
+    stored."""
+    stores, ((a, a_log), (b, b_log)) = _processes(2, store_timeout_s=5.0)
+    a_log.restart_once_stored = True
+    tx = _tx("one")
+    first = asyncio.create_task(a.inject(tx, WHO, idempotency_key=KEY, fingerprint="f1"))
+    await a_log.waiting.wait()
+    retry = asyncio.create_task(b.inject(tx, WHO, idempotency_key=KEY, fingerprint="f1"))
+    claimed = asyncio.create_task(b_log.claimed.wait())
+    await asyncio.wait({retry, claimed}, return_when=asyncio.FIRST_COMPLETED)
+    a_log.gate.set()
+    retried, stored = await retry, await first
+    claimed.cancel()
+    assert not stored.duplicate
+    assert retried.duplicate and retried.queue_id == stored.queue_id
     assert await _entries(stores) == 1

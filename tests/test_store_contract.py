@@ -645,6 +645,41 @@ async def test_ingest_claim_records_once_per_window(stores: Stores) -> None:
         await log.claim("A" * 64, first, 60)
 
 
+async def test_ingest_replace_is_a_compare_and_set_on_the_version_read(stores: Stores) -> None:
+    """IngestLog.holder / replace: a key without a record is version 0 and ``replace(0)``
+    takes it; a write with a version read before another write is refused and changes
+    nothing; rewriting the same id is a refresh with a new version; a record past the
+    window or forgotten names nothing, and its version takes its place."""
+    log = stores.ingest
+    assert log is not None
+    key = hashlib.sha256(os.urandom(8)).hexdigest()
+    first, second = new_queue_id(), new_queue_id()
+    assert await log.holder(key, 60) == (None, 0)
+    assert await log.replace(key, 0, first)
+    held = await log.holder(key, 60)
+    assert held.queue_id == first and held.version != 0
+    assert not await log.replace(key, 0, second)  # a record is there now
+    assert await log.replace(key, held.version, first)  # a refresh
+    refreshed = await log.holder(key, 60)
+    assert refreshed.queue_id == first and refreshed.version != held.version
+    assert not await log.replace(key, held.version, second)  # read before the refresh
+    assert await log.lookup(key, 60) == first
+    expired = await log.holder(key, -1)
+    assert expired == (None, refreshed.version)
+    assert await log.replace(key, expired.version, second)
+    assert await log.claim(key, first, 60) == second
+    await log.forget(key, second)
+
+    async def forgotten() -> bool:
+        return (await log.holder(key, 60)).queue_id is None
+
+    await eventually(forgotten, what="the forgotten record gone")
+    assert await log.replace(key, (await log.holder(key, 60)).version, first)
+    assert await log.lookup(key, 60, consistent=True) == first
+    with pytest.raises(InvalidName):
+        await log.holder("A" * 64, 60)
+
+
 async def test_ingest_forget_removes_only_the_record_of_that_queue_id(stores: Stores) -> None:
     """IngestLog.forget: the record goes when it still names that queue id (the client saw
     its 250); a record naming another id stays; forgetting twice or a missing key is fine.

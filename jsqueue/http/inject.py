@@ -13,17 +13,22 @@ Idempotency (``Idempotency-Key``, scoped to the token's name, ``api.idempotency_
    even when that message has been delivered and removed meanwhile;
 2. otherwise the key is claimed in the ingest log (one create-if-absent write), so two
    requests with the same key race for one claim; the loser waits (up to
-   ``smtp.store_timeout_s``) for the winner's stored record, or its entry, and answers with
-   its id; if the winner failed (neither comes), the loser takes the claim over and stores;
+   ``smtp.store_timeout_s`` from the winner's last write of the claim) for the winner's
+   stored record, or its entry, and answers with its id; if neither comes (the winner
+   failed or died), it takes the claim over with a compare-and-set, so that of several
+   waiters one stores and the others wait for it; the winner renews its claim the same way
+   before its entry is written, and a winner that finds its claim taken over stores
+   nothing (503; its retry then gets the id of the request that took over);
 3. a different key never merges: SMTP's content-based resend protection is off here;
 4. the same key with a different request (another envelope or message: the request's
    SHA-256 ``fingerprint`` differs) is refused with :class:`RequestRejected` (HTTP 422, as
    draft-ietf-httpapi-idempotency-key-header §2.7 has it) and stores nothing, rather than
    answering with the first queue id and dropping the second message. The winner records
-   its fingerprint *before* it stores, and the verdict reads that record through the
-   stream leader (``consistent``), so whatever a loser has seen of the first message (its
-   stored record or its entry), the fingerprint record is there to compare with: a retry
-   is never refused, and a different request is never taken for a retry.
+   its fingerprint *before* it stores (and again just before its stored record), and the
+   verdict reads that record through the stream leader (``consistent``), so whatever a
+   loser has seen of the first message (its stored record or its entry), the fingerprint
+   record is there to compare with: a retry is never refused, and a different request is
+   never taken for a retry.
 
 Requests with the same key are also serialised within one process (a lock per key). The
 records live in the NATS servers' memory (the ingest log): a full NATS restart forgets
@@ -189,15 +194,11 @@ class Injector:
             queue_id = new_queue_id()
             other = await log_.claim(claim, queue_id, window)
             if other is not None:
-                found = await self._wait_stored(stored, other, window)
+                found = await self._wait_stored(claim, stored, queue_id, window)
                 if found is not None:
                     return await self._verdict(found, same, idempotency_key, tx)
-                log.info("idempotency key of %s: taking over from %s", who.name, other)
-                await log_.record(claim, queue_id)
             try:
-                # Before the message exists: whoever sees it can compare fingerprints.
-                await log_.record(same, queue_id)
-                result = await self._store(tx, who, queue_id)
+                result = await self._store(tx, who, queue_id, (claim, same))
             except (NotQueued, StoreUnavailable):
                 try:
                     await log_.forget(claim, queue_id)
@@ -205,10 +206,24 @@ class Injector:
                     log.warning("%s: idempotency claim kept (%s)", queue_id, e)
                 raise
             try:
-                await log_.record(stored, queue_id)
-                # again, so that it lives as long as the stored record (not store_timeout_s
-                # less, when the log expires records at the end of the window)
-                await log_.record(same, queue_id)
+                held = await log_.holder(claim, window)
+                # None: the log was lost meanwhile (a NATS restart): claim the key again
+                # first, so that of this message and a retry stored meanwhile only one
+                # writes the records
+                if held.queue_id == queue_id or (
+                    held.queue_id is None and await log_.replace(claim, held.version, queue_id)
+                ):
+                    # The fingerprint again (it was lost with the log, or would expire
+                    # store_timeout_s before the stored record), and before it: whoever
+                    # sees the stored record finds the fingerprint to compare with.
+                    await log_.record(same, queue_id)
+                    await log_.record(stored, queue_id)
+                else:  # only when the claim was lost (a NATS restart) while storing
+                    log.warning(
+                        "%s: queued, but another request holds its idempotency key now "
+                        "(a duplicate)",
+                        queue_id,
+                    )
             except StoreUnavailable as e:  # stored; a retry finds the entry instead
                 log.warning("%s: queued, but its idempotency record failed (%s)", queue_id, e)
             return result
@@ -218,8 +233,9 @@ class Injector:
     ) -> InjectResult:
         """A retry of the request that stored ``found`` (a duplicate), or a different
         request reusing its key: its fingerprint record ``same`` (read through the leader;
-        written before the message was stored and again after its stored record, so up to
-        ``smtp.store_timeout_s`` older when the second write failed) names another id.
+        written before the message was stored and again just before its stored record, so
+        up to ``smtp.store_timeout_s`` older when the second write failed) names another
+        id.
 
         Raises:
             RequestRejected: the key was used for a request with another fingerprint.
@@ -232,27 +248,71 @@ class Injector:
             raise RequestRejected(_reused(idempotency_key, found))
         return self._duplicate(found, tx)
 
-    async def _wait_stored(self, stored: str, other: str, window: float) -> str | None:
+    async def _wait_stored(
+        self, claim: str, stored: str, queue_id: str, window: float
+    ) -> str | None:
         """The queue id a concurrent request with the same key stored: its stored record,
-        or its entry ``other`` once it exists (written after its fingerprint record), waited
-        for up to ``smtp.store_timeout_s`` (its ingest's bound). None: it did not store.
+        or its entry once it exists (written after its fingerprint record). None: this
+        request (``queue_id``) holds the claim now and stores.
+
+        The claim's holder has ``smtp.store_timeout_s`` from its last write of the claim
+        (its claim, or the refresh before its entry is written) to store; after that the
+        claim is taken over with a compare-and-set on the version last seen, so of two
+        requests waiting for a holder that died exactly one takes over, and the other waits
+        for it in turn. A holder that comes back late finds its claim taken and stores
+        nothing (:meth:`_renew`).
 
         Raises:
             StoreUnavailable: the ingest log or the entry could not be read.
         """
-        assert self._stores.ingest is not None
+        ingest = self._stores.ingest
+        assert ingest is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._settings.smtp.store_timeout_s
+        bound = self._settings.smtp.store_timeout_s
+        seen = await ingest.holder(claim, window)
+        deadline = loop.time() + bound
         while True:
-            found = await self._stores.ingest.lookup(stored, window)
+            if seen.queue_id == queue_id:  # ours after all (a retried write)
+                return None
+            found = await ingest.lookup(stored, window)
             if found is not None:
                 return found
-            with contextlib.suppress(EntryNotFound):
-                await self._stores.entries.get(other)
-                return other
-            if loop.time() >= deadline:
-                return None
-            await asyncio.sleep(POLL_S)
+            if seen.queue_id is not None and await self._has_entry(seen.queue_id):
+                return seen.queue_id
+            if seen.queue_id is None or loop.time() >= deadline:
+                if await ingest.replace(claim, seen.version, queue_id):
+                    log.info("idempotency key: %s takes over from %s", queue_id, seen.queue_id)
+                    return None
+            else:
+                await asyncio.sleep(POLL_S)
+            held = await ingest.holder(claim, window)
+            if held.version != seen.version:  # refreshed, or taken by another: wait anew
+                seen, deadline = held, loop.time() + bound
+
+    async def _has_entry(self, queue_id: str) -> bool:
+        try:
+            await self._stores.entries.get(queue_id)
+        except EntryNotFound:
+            return False
+        return True
+
+    async def _renew(self, claim: str, queue_id: str) -> None:
+        """Refresh this request's claim before its entry is written (a compare-and-set):
+        a waiting request then gives it ``smtp.store_timeout_s`` more, the bound of the
+        commit that follows.
+
+        Raises:
+            NotQueued: another request took the claim over (this one was slower than the
+                bound, or lost its claim in a NATS restart and another took the key).
+            StoreUnavailable: the ingest log failed.
+        """
+        assert self._stores.ingest is not None
+        window = self._settings.api.idempotency_window_s
+        held = await self._stores.ingest.holder(claim, window)
+        if held.queue_id not in (None, queue_id) or not await self._stores.ingest.replace(
+            claim, held.version, queue_id
+        ):
+            raise NotQueued(queue_id, "its Idempotency-Key was taken over by a retry")
 
     def _duplicate(self, queue_id: str, tx: Transaction) -> InjectResult:
         log.info("%s: inject retried with the same Idempotency-Key", queue_id)
@@ -260,11 +320,21 @@ class Injector:
             queue_id=queue_id, recipients=len(tx.recipients), size=len(tx.data), duplicate=True
         )
 
-    async def _store(self, tx: Transaction, who: Submitter, queue_id: str) -> InjectResult:
+    async def _store(
+        self,
+        tx: Transaction,
+        who: Submitter,
+        queue_id: str,
+        keys: tuple[str, str] | None = None,
+    ) -> InjectResult:
         """The ingest path of the SMTP front end: trace field, body, entry, work items.
+        With ``keys`` (claim, fingerprint record), once the body is written: the claim is
+        renewed (:meth:`_renew`) and the fingerprint recorded, before the entry exists.
 
         Raises:
-            NotQueued: a store failed; nothing of the message is kept.
+            NotQueued: a store failed, or the claim was taken over; nothing of the message
+                is kept.
+            StoreUnavailable: the ingest log failed; nothing of the message is kept.
         """
         ingest = Ingest(self._smtp, self._stores, _Relabel(self._observer, who.source))
         client_ip = who.client_ip
@@ -294,5 +364,14 @@ class Injector:
             auth_user=who.name,
             eight_bit=not (tx.data.isascii() and received.isascii()),
         )
+        if keys is not None:
+            assert self._stores.ingest is not None
+            try:
+                await self._renew(keys[0], queue_id)
+                # Before the message exists: whoever sees it can compare fingerprints.
+                await self._stores.ingest.record(keys[1], queue_id)
+            except (NotQueued, StoreUnavailable):
+                await upload.abort()
+                raise
         stored = await ingest.commit(upload, mail)
         return InjectResult(queue_id=stored, recipients=len(tx.recipients), size=len(tx.data))

@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState, WorkItem
 from jsqueue.errors import EntryTooLarge, InvalidName
@@ -330,6 +330,21 @@ def check_ingest_key(key: str) -> str:
     return key
 
 
+class Held(NamedTuple):
+    """The record under an ingest key as a compare-and-set sees it (:meth:`IngestLog.holder`).
+
+    Attributes:
+        queue_id: the queue id it names; None when there is none within the window asked
+            for (never written, forgotten, or older).
+        version: what :meth:`IngestLog.replace` must be given to write over it: 0 when
+            the key has no record at all, a backend revision otherwise (it grows with
+            every write, so a refreshed record has a new one).
+    """
+
+    queue_id: str | None
+    version: int
+
+
 @runtime_checkable
 class IngestLog(Protocol):
     """Recently accepted messages by content key: the front end's idempotent ingest.
@@ -360,6 +375,31 @@ class IngestLog(Protocol):
         Returns:
             None when ``queue_id`` is now recorded (also when it already was: a retried
             claim); else the queue id recorded earlier, which stays.
+
+        Raises:
+            InvalidName: bad key or queue id.
+            StoreUnavailable: the backend failed.
+        """
+        ...
+
+    async def holder(self, key: str, max_age_s: float) -> Held:
+        """The record under ``key``, as :meth:`lookup` with ``consistent`` reads it, with
+        its version for :meth:`replace`.
+
+        Raises:
+            InvalidName: bad key.
+            StoreUnavailable: the backend failed.
+        """
+        ...
+
+    async def replace(self, key: str, version: int, queue_id: str) -> bool:
+        """Remember ``key`` -> ``queue_id`` as of now if the record is still at ``version``
+        (a :class:`Held` read before; 0: no record yet): one compare-and-set write. Writing
+        the id that is there already is a refresh: the record gets a new version.
+
+        Returns:
+            True when written; False when the record changed since ``version`` (nothing is
+            written).
 
         Raises:
             InvalidName: bad key or queue id.

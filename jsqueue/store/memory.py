@@ -31,6 +31,7 @@ from jsqueue.pacing import Pacer
 from jsqueue.store.base import (
     BodyInfo,
     Due,
+    Held,
     Keyed,
     PresenceMark,
     Stores,
@@ -337,20 +338,28 @@ class MemoryScheduler:
 
 
 class MemoryIngestLog:
-    """:class:`~jsqueue.store.base.IngestLog` in an insertion-ordered dict (oldest first)."""
+    """:class:`~jsqueue.store.base.IngestLog` in an insertion-ordered dict (oldest first);
+    a record's version is the number of writes this log had made when it was written."""
 
     def __init__(self) -> None:
-        self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._records: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
         self._max_age_s = 0.0
+        self._writes = 0
 
     async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
         """See :meth:`IngestLog.lookup` (always consistent here)."""
+        return (await self.holder(key, max_age_s)).queue_id
+
+    async def holder(self, key: str, max_age_s: float) -> Held:
+        """See :meth:`IngestLog.holder`."""
         check_ingest_key(key)
         self._max_age_s = max(self._max_age_s, max_age_s)
         found = self._records.get(key)
-        if found is None or utcnow().timestamp() - found[1] > max_age_s:
-            return None
-        return found[0]
+        if found is None:
+            return Held(None, 0)
+        if utcnow().timestamp() - found[1] > max_age_s:
+            return Held(None, found[2])
+        return Held(found[0], found[2])
 
     async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
         """See :meth:`IngestLog.claim`."""
@@ -359,6 +368,14 @@ class MemoryIngestLog:
             return earlier
         await self.record(key, queue_id)
         return None
+
+    async def replace(self, key: str, version: int, queue_id: str) -> bool:
+        """See :meth:`IngestLog.replace`."""
+        found = self._records.get(check_ingest_key(key))
+        if (found[2] if found is not None else 0) != version:
+            return False
+        await self.record(key, queue_id)
+        return True
 
     async def forget(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.forget`.
@@ -375,7 +392,8 @@ class MemoryIngestLog:
         """See :meth:`IngestLog.record`. Drops records older than the largest window seen."""
         check_ingest_key(key)
         now = utcnow().timestamp()
-        self._records[key] = (check_queue_id(queue_id), now)
+        self._writes += 1
+        self._records[key] = (check_queue_id(queue_id), now, self._writes)
         self._records.move_to_end(key)
         while self._records:
             oldest = next(iter(self._records.values()))

@@ -11,8 +11,9 @@ from collections import OrderedDict
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
+from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names, check_queue_id, kv_subject_prefix
-from jsqueue.store.base import check_ingest_key
+from jsqueue.store.base import Held, check_ingest_key
 from jsqueue.store.jetstream.api import (
     HDR_EXPECTED_LAST_SUBJ_SEQ,
     HDR_KV_OP,
@@ -24,6 +25,8 @@ from jsqueue.store.jetstream.api import (
 
 #: Claims whose stream sequence an ingest log remembers for :meth:`JetStreamIngestLog.forget`.
 CLAIMED_MEMORY = 4096
+#: Compare-and-set writes one claim makes at most while the record under its key changes.
+CLAIM_TRIES = 3
 
 
 class JetStreamIngestLog:
@@ -55,51 +58,77 @@ class JetStreamIngestLog:
     async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
         """See :meth:`IngestLog.lookup`: a direct get (any replica may answer), or with
         ``consistent`` a get through the stream leader."""
+        return (await self._read(key, max_age_s, direct=not consistent)).queue_id
+
+    async def holder(self, key: str, max_age_s: float) -> Held:
+        """See :meth:`IngestLog.holder`: a get through the stream leader; the version is
+        the record's stream sequence (a deleted record's too)."""
+        return await self._read(key, max_age_s, direct=False)
+
+    async def _read(self, key: str, max_age_s: float, *, direct: bool) -> Held:
         check_ingest_key(key)
         with translate(f"ingest {key[:12]}: read"):
             try:
-                msg = await self.js.get_msg(
-                    self.stream, subject=self._pre + key, direct=not consistent
-                )
+                msg = await self.js.get_msg(self.stream, subject=self._pre + key, direct=direct)
             except nats.js.errors.NotFoundError:
-                return None
+                return Held(None, 0)
+        assert msg.seq is not None
         if not msg.data:
-            return None
+            return Held(None, msg.seq)
         record = json.loads(msg.data)
         if time.time() - float(record["at"]) > max_age_s:
-            return None
-        return str(record["id"])
+            return Held(None, msg.seq)
+        return Held(str(record["id"]), msg.seq)
 
     async def claim(self, key: str, queue_id: str, max_age_s: float) -> str | None:
         """See :meth:`IngestLog.claim`: a put expecting no record under ``key``; when one
-        is there, it is looked up, and replaced only if older than ``max_age_s``.
+        is there, it is read through the leader, and replaced (compare-and-set on its
+        sequence) only if older than ``max_age_s`` or deleted.
 
         Raises:
             InvalidName: bad key or queue id.
             StoreUnavailable: the put was refused (other than for a record already there)
-                or failed, or the lookup or replacing write failed.
+                or failed, the read or replacing write failed, or the record changed
+                under every one of :data:`CLAIM_TRIES` replacing writes.
             unavailable: the StoreUnavailable above, as built by
                 :func:`~jsqueue.store.jetstream.api.unavailable`.
         """
         check_ingest_key(key)
+        check_queue_id(queue_id)
+        version = 0
+        for _ in range(CLAIM_TRIES):
+            if await self.replace(key, version, queue_id):
+                return None
+            # Through the leader: a lagging replica could miss the record the put met.
+            held = await self.holder(key, max_age_s)
+            if held.queue_id is not None:  # (our own id: a retried claim stored after all)
+                return None if held.queue_id == queue_id else held.queue_id
+            version = held.version  # older than the window, or forgotten: take its place
+        raise StoreUnavailable(f"ingest {key[:12]}: claim: the record kept changing")
+
+    async def replace(self, key: str, version: int, queue_id: str) -> bool:
+        """See :meth:`IngestLog.replace`: a put expecting ``version`` as the key's last
+        sequence (0: none).
+
+        Raises:
+            InvalidName: bad key or queue id.
+            unavailable: a StoreUnavailable (:func:`~jsqueue.store.jetstream.api.unavailable`)
+                when the put was refused for another reason than the sequence, or failed.
+        """
+        check_ingest_key(key)
         data = json.dumps({"id": check_queue_id(queue_id), "at": time.time()}).encode()
         what = f"ingest {key[:12]}: claim"
-        headers = {HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
+        headers = {HDR_EXPECTED_LAST_SUBJ_SEQ: str(version)}
         try:
             ack = await publish(self.js, self._pre + key, data, headers, what=what)
-            self._claimed[key] = (queue_id, ack.seq)
-            if len(self._claimed) > CLAIMED_MEMORY:
-                self._claimed.popitem(last=False)
-            return None
         except nats.js.errors.APIError as e:
             if not is_wrong_last_seq(e):
                 raise unavailable(what, e) from e
-        # Through the leader: a lagging replica could miss the record the put collided with.
-        earlier = await self.lookup(key, max_age_s, consistent=True)
-        if earlier is None:  # older than the window: take its place
-            await self.record(key, queue_id)
-        # (our own id: a retried claim that was stored after all)
-        return None if earlier in (None, queue_id) else earlier
+            return False
+        self._claimed[key] = (queue_id, ack.seq)
+        if len(self._claimed) > CLAIMED_MEMORY:
+            self._claimed.popitem(last=False)
+        return True
 
     async def forget(self, key: str, queue_id: str) -> None:
         """See :meth:`IngestLog.forget`: a KV delete that expects the record read (its
