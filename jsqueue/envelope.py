@@ -148,6 +148,10 @@ class Entry(BaseModel):
 
     ``dkim`` is what the last attempt did about DKIM (RFC 6376) for the bytes it sent
     (``d=… s=… a=…``, ``unsigned: <why>``; :attr:`jsqueue.delivery.base.DeliveryResult.dkim`).
+
+    ``request_digest`` is the SHA-256 (hex) of the HTTP inject request that stored the
+    message under an ``Idempotency-Key`` (:mod:`jsqueue.http.inject`): a retry with the same
+    key is compared with it, also after a NATS restart lost the ingest log; None otherwise.
     """
 
     id: str
@@ -168,6 +172,8 @@ class Entry(BaseModel):
     leases: dict[str, Lease] = Field(default_factory=dict)
     is_dsn: bool = False
     dkim: str | None = None
+    # left out of the stored form when None (most entries: SMTP mail), not "null" in each
+    request_digest: str | None = Field(None, exclude_if=lambda v: v is None)
     inline_body: bytes | None = Field(None, exclude=True, repr=False)
 
     @property

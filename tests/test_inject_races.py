@@ -111,7 +111,9 @@ class _Gated:
     async def replace(self, key: str, version: int, queue_id: str) -> bool:
         await self._after_claim()
         await self._claim_write(key)
-        return await self.inner.replace(key, version, queue_id)
+        written = await self.inner.replace(key, version, queue_id)
+        await self._stall_after_restart()
+        return written
 
     async def record(self, key: str, queue_id: str) -> None:
         await self._after_claim()
@@ -121,7 +123,12 @@ class _Gated:
             self.waiting.set()
             await self.gate.wait()
         await self.inner.record(key, queue_id)
-        if self._restarted and not self._held_once:  # stalls after its first record then
+        await self._stall_after_restart()
+
+    async def _stall_after_restart(self) -> None:
+        """With ``restart_once_stored``: the process stalls after its first write once
+        the log was lost, until the gate opens."""
+        if self._restarted and not self._held_once:
             self._held_once = True
             self.waiting.set()
             await self.gate.wait()
@@ -314,9 +321,10 @@ async def test_a_first_request_slower_than_the_bound_stores_nothing(same_request
 
 async def test_a_retry_while_the_log_is_lost_after_the_first_stored_is_a_duplicate() -> None:
     """NATS restarts (the ingest log, in memory, is lost) just after A's entry is written;
-    A writes its records again, and B, the identical retry, comes while A is between
-    them: B answers with A's id (never 422 "a different request"), and one message is
-    stored."""
+    A claims its key again and writes its records anew, and B, the identical retry, comes
+    while A is between those writes and finds A's claim and entry: B answers with A's id
+    (never 422 "a different request": the entry carries the request's digest), and one
+    message is stored."""
     stores, ((a, a_log), (b, b_log)) = _processes(2, store_timeout_s=5.0)
     a_log.restart_once_stored = True
     tx = _tx("one")

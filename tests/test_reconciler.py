@@ -411,6 +411,23 @@ async def test_lock_is_exclusive_renewed_and_expires(
     assert await again.acquire()
 
 
+async def test_a_lock_is_released_after_a_renewal_whose_reply_was_not_awaited(
+    queue_harness: Harness, make_reconciler: MakeReconciler
+) -> None:
+    """A pass cancelled at a stop while its renewal was in flight: the renewal lands, the
+    handle still knows the revision before it; release gives the lock up all the same, so
+    another reconciler (or the next pod) takes it at once, not after the TTL."""
+    a: Reconciler = await make_reconciler()
+    b: Reconciler = await make_reconciler()
+    la, lb = a.lock, b.lock
+    assert isinstance(la, JetStreamLock) and isinstance(lb, JetStreamLock)
+    assert await la.acquire()
+    known = la._rev
+    assert known is not None and await la._write(known) is not None  # landed, not recorded
+    await la.release()
+    assert await lb.acquire()
+
+
 async def test_only_one_reconciler_sweeps_at_a_time(
     queue_harness: Harness, make_reconciler: MakeReconciler
 ) -> None:

@@ -111,6 +111,8 @@ class Submission:
         eight_bit: some octet of the stored message (``Received:`` included) is not
             US-ASCII (RFC 6152).
         content_sha256: digest of the content as the client sent it (see :func:`ingest_key`).
+        request_digest: the HTTP inject request's digest (``Entry.request_digest``), or
+            None.
     """
 
     reverse_path: str
@@ -123,6 +125,7 @@ class Submission:
     client_address: str | None = None
     auth_user: str | None = None
     eight_bit: bool = False
+    request_digest: str | None = None
 
 
 class BodyUpload:
@@ -402,6 +405,7 @@ class Ingest:
                     smtputf8=mail.smtputf8,
                     body_8bit=mail.eight_bit,
                     inline_body=upload.inline,
+                    request_digest=mail.request_digest,
                 )
                 if upload.inline is not None and not self._fits(entry):
                     entry.inline_body = None

@@ -190,15 +190,15 @@ class Injector:
         async with self._serialised(claim):
             earlier = await log_.lookup(stored, window)
             if earlier is not None:
-                return await self._verdict(earlier, same, idempotency_key, tx)
+                return await self._verdict(earlier, same, fingerprint, idempotency_key, tx)
             queue_id = new_queue_id()
             other = await log_.claim(claim, queue_id, window)
             if other is not None:
                 found = await self._wait_stored(claim, stored, queue_id, window)
                 if found is not None:
-                    return await self._verdict(found, same, idempotency_key, tx)
+                    return await self._verdict(found, same, fingerprint, idempotency_key, tx)
             try:
-                result = await self._store(tx, who, queue_id, (claim, same))
+                result = await self._store(tx, who, queue_id, (claim, same, fingerprint))
             except (NotQueued, StoreUnavailable):
                 try:
                     await log_.forget(claim, queue_id)
@@ -229,22 +229,33 @@ class Injector:
             return result
 
     async def _verdict(
-        self, found: str, same: str, idempotency_key: str, tx: Transaction
+        self, found: str, same: str, fingerprint: str, idempotency_key: str, tx: Transaction
     ) -> InjectResult:
         """A retry of the request that stored ``found`` (a duplicate), or a different
-        request reusing its key: its fingerprint record ``same`` (read through the leader;
-        written before the message was stored and again just before its stored record, so
-        up to ``smtp.store_timeout_s`` older when the second write failed) names another
-        id.
+        request reusing its key (422). Decided by the entry's ``request_digest`` while the
+        entry exists (it survives a NATS restart, the ingest log does not); else by the
+        fingerprint record ``same`` (read through the leader; written before the message
+        was stored and again just before its stored record, so up to
+        ``smtp.store_timeout_s`` older when the second write failed).
 
         Raises:
             RequestRejected: the key was used for a request with another fingerprint.
-            StoreUnavailable: the ingest log could not be read.
+            StoreUnavailable: the entry or the ingest log could not be read.
         """
         assert self._stores.ingest is not None
-        max_age_s = self._settings.api.idempotency_window_s + self._settings.smtp.store_timeout_s
-        mine = await self._stores.ingest.lookup(same, max_age_s, consistent=True)
-        if mine != found:
+        try:
+            digest = (await self._stores.entries.get(found)).entry.request_digest
+        except EntryNotFound:  # delivered and removed
+            digest = None
+        if digest is not None:
+            same_request = digest == fingerprint
+        else:
+            max_age_s = (
+                self._settings.api.idempotency_window_s + self._settings.smtp.store_timeout_s
+            )
+            mine = await self._stores.ingest.lookup(same, max_age_s, consistent=True)
+            same_request = mine == found
+        if not same_request:
             raise RequestRejected(_reused(idempotency_key, found))
         return self._duplicate(found, tx)
 
@@ -325,11 +336,12 @@ class Injector:
         tx: Transaction,
         who: Submitter,
         queue_id: str,
-        keys: tuple[str, str] | None = None,
+        keys: tuple[str, str, str] | None = None,
     ) -> InjectResult:
         """The ingest path of the SMTP front end: trace field, body, entry, work items.
-        With ``keys`` (claim, fingerprint record), once the body is written: the claim is
-        renewed (:meth:`_renew`) and the fingerprint recorded, before the entry exists.
+        With ``keys`` (claim, fingerprint record, fingerprint), once the body is written:
+        the claim is renewed (:meth:`_renew`) and the fingerprint recorded, before the entry
+        (which carries the fingerprint too, ``Entry.request_digest``) exists.
 
         Raises:
             NotQueued: a store failed, or the claim was taken over; nothing of the message
@@ -363,6 +375,7 @@ class Injector:
             client_address=client_ip,
             auth_user=who.name,
             eight_bit=not (tx.data.isascii() and received.isascii()),
+            request_digest=None if keys is None else keys[2] or None,
         )
         if keys is not None:
             assert self._stores.ingest is not None

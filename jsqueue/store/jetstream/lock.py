@@ -162,9 +162,17 @@ class JetStreamLock:
         return True
 
     async def release(self) -> None:
-        """See :meth:`Lock.release`: a delete marker (compare-and-set) that expires in 1 s."""
+        """See :meth:`Lock.release`: a delete marker (compare-and-set) that expires in 1 s;
+        when a renewal of ours landed after the revision we know (its reply lost or not
+        waited for), the lock is read and that revision given up."""
         if self._rev is None:
             return
         rev, self._rev = self._rev, None
         with contextlib.suppress(StoreUnavailable):
-            await self._write(rev, release=True)
+            if await self._write(rev, release=True) is None:
+                # A renewal whose reply was not waited for (a pass cancelled at a stop)
+                # moved the lock on: still ours, so give that revision up.
+                current = await self._current()
+                mine = current is not None and self._owner_of(current) == self.owner
+                if mine and current is not None and current.seq is not None:
+                    await self._write(current.seq, release=True)
