@@ -177,7 +177,9 @@ class Injector:
             the queue id; ``duplicate`` when an earlier request with the same key stored it.
 
         Raises:
-            NotQueued: a store failed or timed out: nothing is stored (HTTP 503).
+            NotQueued: a store failed or timed out, or another request with the same key
+                took this one's claim over (it was slower than ``smtp.store_timeout_s``):
+                nothing is stored (HTTP 503; a retry gets the other request's id, or 422).
             StoreUnavailable: the ingest log could not be read or written (HTTP 503).
             RequestRejected: the key was used for a request with another fingerprint
                 (HTTP 422); nothing is stored.

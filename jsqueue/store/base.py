@@ -354,6 +354,10 @@ class IngestLog(Protocol):
     ``key`` is 64 lower-case hex characters (a SHA-256 of envelope and content), valid as a
     KV key. Records only need to live as long as the largest ``max_age_s`` asked for
     (``smtp.dedupe_window_s``); a backend may expire them after that.
+
+    HTTP injection keeps its ``Idempotency-Key`` records here too (:mod:`jsqueue.http.inject`):
+    a claim taken over, or renewed, with :meth:`holder` and :meth:`replace`
+    (compare-and-set on the record's version).
     """
 
     async def lookup(self, key: str, max_age_s: float, *, consistent: bool = False) -> str | None:
