@@ -331,9 +331,17 @@ class Worker:
     async def _claim(self, due: Due, gate: Gate, turn: cas.Turn) -> Versioned | None:
         """The loop of :meth:`_check_claim` (in the entry's turn): the claimed version, or
         None when the item was settled otherwise (dropped, put back, expired, retried).
-        The item's key is in ``_busy`` when a version is returned."""
+        The item's key is in ``_busy`` when a version is returned. While another task of
+        this process works on the entry, the first try is on the version it left in the
+        turn (no read: one read per message, not per domain)."""
         item = due.item
-        async for read in cas.reads(self.stores.entries, item.queue_id, strict=False):
+        # The newest version another task of this process read or wrote (another domain of
+        # the message): the claim is tried on it without a read. Only a claim may be
+        # decided on it, since its compare-and-set tells whether it was still current; a
+        # decision that writes nothing (drop, later) waits for the entry read now.
+        seed = turn.newest
+        start: Versioned | str = item.queue_id if seed is None else seed
+        async for read in cas.reads(self.stores.entries, start, strict=False):
             v = None if isinstance(read, cas.Gone) else turn.saw(read)
             deleted = isinstance(read, cas.Gone) and read.deleted
             now = self.clock()
@@ -342,6 +350,8 @@ class Worker:
             verdict = state.check(
                 entry, item, now, deleted=deleted, owner=self.owner, delivering=key in self._busy
             )
+            if read is seed and verdict.verdict is not state.Verdict.DELIVER:
+                continue
             dead: str | None = None
             if verdict.leased_by is not None and await self._dead(verdict.leased_by):
                 dead, now = verdict.leased_by, self.clock()

@@ -11,7 +11,7 @@ import asyncio
 from datetime import timedelta
 
 import pytest
-from test_worker import SENDER_ZONE, dsn_parts, gone
+from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
 
 from jsqueue import replies
 from jsqueue.admin import Admin, EntryFilter, parse_duration
@@ -434,6 +434,43 @@ async def test_concurrent_flushes_leave_a_current_work_item(js_stores: Stores) -
     assert any(d.item.generation == 3 for d in due), [d.item for d in due]
     for d in due:
         await d.ack()
+
+
+async def test_flush_of_one_domain_while_the_worker_delivers_another(
+    queue_harness: Harness,
+) -> None:
+    """A message for two domains: a.example.test is mid-transaction (its MX holds the RCPT
+    reply), b.example.test was deferred for hours. A flush gives b a new generation; its
+    new work item reaches the worker while the same entry is still in a's turn, which holds
+    the version b's deferral wrote (the old generation). The worker claims only on such a
+    version, never drops on it: it reads the entry, finds the new generation and delivers
+    b at once (DESIGN.md §2.2, §4), while a's transaction is still open."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3 * 3600.0, "max_age_s": 86400.0})
+    h.dns.add(one_mx("a.example.test", "127.0.2.31") + one_mx("b.example.test", "127.0.2.32"))
+    admin = Admin(h.stores)
+    a, b = "u@a.example.test", "u@b.example.test"
+    async with (
+        GatedMx("127.0.2.31", h.mx_port) as mx_a,
+        SmtpdMx("127.0.2.32", h.mx_port, rcpt_replies={b: "450 4.2.0 busy"}) as mx_b,
+    ):
+        qid = await h.submit(MESSAGE, [a, b])
+
+        async def b_deferred() -> bool:
+            e = await h.entry(qid)
+            return e is not None and e.recipients[1].state is RecipientState.DEFERRED
+
+        async with h.running():
+            await asyncio.wait_for(mx_a.waiting.wait(), 15)
+            await eventually(b_deferred, what="b deferred")
+            mx_b.rcpt_replies.clear()
+            result = await admin.flush(qid)
+            assert result.outcome is Outcome.DONE, result
+            await eventually(lambda: len(mx_b.delivered) == 1, timeout_s=10, what="b flushed")
+            assert not mx_a.gate.is_set() and len(mx_a.delivered) == 0, "a still open"
+            mx_a.gate.set()
+            await eventually(lambda: gone(h, qid), what="both delivered, entry removed")
+        assert [t.rcpt_to for t in mx_a.delivered + mx_b.delivered] == [[a], [b]]
 
 
 async def test_flush_of_an_entry_leased_by_a_dead_worker(queue_harness: Harness) -> None:

@@ -24,6 +24,7 @@ from jsqueue.events import Event, EventKind
 from jsqueue.metrics import Metrics
 from jsqueue.names import new_queue_id
 from jsqueue.replies import CUT_MARKER, STORED_REPLY_OCTETS
+from jsqueue.store.base import Versioned
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
 from jsqueue.views import Outcome
@@ -767,15 +768,23 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
     """DESIGN.md §2.3 without a worker losing compare-and-sets to itself: the work items of
     one message's three domains arrive in one fetch and run side by side; their claims and
     records take turns on the entry (cas.Turns), each on the newest version the others
-    wrote. So no write of theirs is refused, and the entries stream sees exactly one claim
-    and one record per domain (the last record being the removal)."""
+    wrote. So no write of theirs is refused, the entries stream sees exactly one claim
+    and one record per domain (the last record being the removal), and the entry is read
+    once: the second and third claims are tried on the version the first left."""
     h = queue_harness
     domains = ["t1.example.test", "t2.example.test", "t3.example.test"]
     h.dns.add("".join(one_mx(d, f"127.0.2.{21 + i}") for i, d in enumerate(domains)))
     entries = h.stores.entries
     assert isinstance(entries, JetStreamEntryStore)
-    update, delete = entries.update, entries.delete
+    update, delete, get = entries.update, entries.delete, entries.get
     refused: list[str] = []
+    reads: list[str] = []
+    test_task = asyncio.current_task()
+
+    async def counted_get(queue_id: str) -> Versioned:
+        if asyncio.current_task() is not test_task:  # the worker's, not this test's polls
+            reads.append(queue_id)
+        return await get(queue_id)
 
     async def counted_update(entry: Entry, revision: int) -> int:
         try:
@@ -793,6 +802,7 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
 
     monkeypatch.setattr(entries, "update", counted_update)
     monkeypatch.setattr(entries, "delete", counted_delete)
+    monkeypatch.setattr(entries, "get", counted_get)
     mxes = [SmtpdMx(f"127.0.2.{21 + i}", h.mx_port) for i in range(len(domains))]
     async with contextlib.AsyncExitStack() as stack:
         for mx in mxes:
@@ -806,6 +816,7 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
         assert refused == []
         writes = (await entries.js.stream_info(entries.stream)).state.last_seq - created
         assert writes == 6, "a claim and a record per domain"
+        assert reads == [qid], "one read for the three claims"
         assert len(worker._turns) == 0, "nothing kept once the tasks are done"
 
 
