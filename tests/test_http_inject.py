@@ -215,6 +215,20 @@ async def test_one_key_with_a_different_request_is_refused(
     assert {e["id"] for e in page["entries"]} <= {first["queue_id"]}, page
 
 
+async def test_two_idempotency_keys_are_refused(api_harness: tuple[Harness, ApiEnv]) -> None:
+    """Idempotency-Key is a single value (draft-ietf-httpapi-idempotency-key-header §2): a
+    request with two such fields is 400 and stores nothing, rather than deduplicated under
+    one of them (a client's retry with the other order would be stored twice)."""
+    _, api = api_harness
+    headers = [("Idempotency-Key", "a-1"), ("Idempotency-Key", "b-2"), *api.auth("inject").items()]
+    async with api.session.post(api.url + "/api/v1/inject", json=body(), headers=headers) as r:
+        status, refused = r.status, await r.json()
+    assert status == 400, refused
+    assert "one header, not 2" in refused["detail"]
+    status, page = await api.call("GET", "/api/v1/queue", role="read")
+    assert page["entries"] == []
+
+
 async def test_limits_as_at_the_smtp_front_end(api_harness: tuple[Harness, ApiEnv]) -> None:
     h, api = api_harness
     limit = h.settings.smtp.max_message_size
@@ -255,6 +269,8 @@ async def test_nats_down_is_503_never_202(
         )
         assert status == 503, err
         assert err["error"] == "unavailable"
+        if key is None:  # the step that failed, not SMTP's "local error in processing"
+            assert err["detail"].startswith("not queued: body failed"), err
     status, _ = await api.call("GET", "/api/v1/queue", role="read")
     assert status == 503
     status, _ = await api.call("POST", "/api/v1/actions/hold", json={"all": True})

@@ -307,8 +307,9 @@ async def test_a_first_request_slower_than_the_bound_stores_nothing(same_request
     fingerprint = "f1" if same_request else "f2"
     taken = await b.inject(_tx("one"), WHO, idempotency_key=KEY, fingerprint=fingerprint)
     a_log.gate.set()
-    with pytest.raises(NotQueued):
+    with pytest.raises(NotQueued) as refused:
         await slow
+    assert refused.value.reason == "its Idempotency-Key was taken over by a retry"
     assert not taken.duplicate
     assert [v.entry.id for v in await stores.entries.page()] == [taken.queue_id]
     if same_request:

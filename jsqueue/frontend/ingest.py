@@ -86,11 +86,13 @@ async def _stopped(fut: asyncio.Future[Any] | None) -> None:
 
 class NotQueued(Exception):
     """The message was not stored; ``reply`` (451 4.3.0, RFC 5321 §4.2.2) is what the client
-    gets instead of a 250 (DESIGN.md §2.1)."""
+    gets instead of a 250 (DESIGN.md §2.1); ``reason`` says which step failed (for logs
+    and the HTTP API's 503, not for SMTP clients)."""
 
     def __init__(self, queue_id: str, reason: str) -> None:
         super().__init__(f"{queue_id}: not queued: {reason}")
         self.queue_id = queue_id
+        self.reason = reason
         self.reply: Reply = R451_LOCAL_ERROR
 
 

@@ -25,7 +25,10 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
     """The inject route over ``ctx``."""
 
     async def inject(call: Call) -> BaseModel:
-        key = call.request.headers.get(IDEMPOTENCY_HEADER)
+        keys = call.request.headers.getall(IDEMPOTENCY_HEADER, [])
+        if len(keys) > 1:  # a single value (draft-ietf-httpapi-idempotency-key-header §2)
+            raise RequestRejected(f"{IDEMPOTENCY_HEADER}: one header, not {len(keys)}", 400)
+        key = keys[0] if keys else None
         if key is not None and not IDEMPOTENCY_KEY_RE.match(key):
             raise RequestRejected(f"{IDEMPOTENCY_HEADER}: 1-255 visible ASCII characters")
         smtp = ctx.settings.smtp
@@ -46,7 +49,7 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
             fingerprint = hashlib.sha256(call.body.model_dump_json().encode()).hexdigest()
             return await ctx.injector.inject(tx, who, idempotency_key=key, fingerprint=fingerprint)
         except NotQueued as e:
-            raise StoreUnavailable(f"not queued: {e.reply}") from e
+            raise StoreUnavailable(f"not queued: {e.reason}") from e
 
     return [
         Route(
@@ -60,14 +63,14 @@ def inject_routes(ctx: ApiContext) -> list[Route]:
             response=InjectResult,
             status=202,
             body=InjectBody,
-            errors=(413,),
+            errors=(400, 413),
             tag="inject",
             headers={
                 IDEMPOTENCY_HEADER: (
                     {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern},
                     "a retry with the same key (and token) within api.idempotency_window_s "
                     "gets the first queue id and stores nothing; a different key never merges; "
-                    "the same key with a different request is 422",
+                    "the same key with a different request is 422; two such headers are 400",
                 )
             },
             description="202 means stored durably (body, entry, work items), as SMTP's 250; "
