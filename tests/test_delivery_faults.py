@@ -102,6 +102,9 @@ BODY = BodySource.from_bytes(b"Subject: many\r\n\r\nbody\r\n")
         "452 too many recipients",
         "552 5.5.3 Too many recipients",
         "552 too many recipients for this message",
+        "552 5.7.1 Recipient limit exceeded",
+        "552 Recipient limit reached",
+        "552 maximum number of recipients per message reached",
     ],
 )
 @pytest.mark.parametrize("after_data", ["stay", CLOSE, "421 4.3.2 one message per session"])
@@ -172,21 +175,36 @@ async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one(
     assert offered == ([3, 2] if pipelining else [2, 2])
 
 
-async def test_an_ordinary_552_stays_a_permanent_failure_of_its_recipient() -> None:
-    """RFC 3463 §3.3: ``552 5.2.2`` mailbox full is that recipient's permanent failure, not
-    a recipient limit: the others are delivered in the same transaction."""
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize(
+    ("full_reply", "enhanced", "text"),
+    [
+        ("552 5.2.2 mailbox full", "4.2.2", "mailbox full (552 5.2.2 to RCPT"),
+        ("552 quota exceeded", None, "quota exceeded (552 to RCPT"),
+    ],
+)
+async def test_any_other_552_to_rcpt_defers_its_recipient_only(
+    pipelining: bool, full_reply: str, enhanced: str | None, text: str
+) -> None:
+    """RFC 5321 §4.5.3.1.10: clients SHOULD treat a 552 to RCPT as temporary (RFC 3463
+    §3.3: X.2.2 mailbox full is a persistent transient failure), as Postfix does: the
+    recipient is deferred with ``452`` (class 4 enhanced code, the server's text kept),
+    never bounced at once; not being a recipient limit, it does not hold back the others,
+    which are delivered in the same transaction."""
     host = "127.0.2.122"
     port = shared_port([host])
     a, full, c = "a@limit.example.test", "full@limit.example.test", "c@limit.example.test"
-    async with ScriptedMx(host, port, rcpt_replies={full: "552 5.2.2 mailbox full"}) as mx:
+    async with ScriptedMx(host, port, rcpt_replies={full: full_reply}) as mx:
         result = await deliver(
             [MxTarget(host="mx.limit.example.test", address=host)],
             envelope_of(a, full, c),
             BODY,
-            client_settings(port),
+            client_settings(port, pipelining=pipelining),
         )
-    assert result.delivered == [a, c] and result.failed == [full]
-    assert result.replies[full].enhanced == "5.2.2"
+    assert result.delivered == [a, c] and result.deferred == [full] and result.failed == []
+    recorded = result.replies[full]
+    assert recorded.code == 452 and recorded.is_temporary
+    assert recorded.enhanced == enhanced and recorded.text.startswith(text)
     assert [t.rcpt_to for t in mx.delivered] == [[a, c]]
 
 

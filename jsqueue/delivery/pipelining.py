@@ -40,7 +40,7 @@ from jsqueue.delivery.base import DeliveryResult
 from jsqueue.delivery.commands import Plan, command_line
 from jsqueue.delivery.connections import abort_connection
 from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
-from jsqueue.delivery.responses import limit_reply, to_reply, too_many_recipients, with_detail
+from jsqueue.delivery.responses import rcpt_reply, to_reply, with_detail
 from jsqueue.delivery.signals import Failed, NextMx
 from jsqueue.delivery.sync import Desync, GuardedProtocol, check_sync
 from jsqueue.envelope import Recipient
@@ -258,10 +258,9 @@ async def pipelined_transaction(
     else:
         limited: list[str] = []
         for address, response in zip(offered, responses[1:-1], strict=True):
-            reply = to_reply(response, host)
-            if too_many_recipients(reply):
-                # RFC 5321 §4.5.3.1.10: the server's recipient limit, never a bounce.
-                reply = limit_reply(reply, host)
+            # RFC 5321 §4.5.3.1.10: a limit (or any 552) is never a bounce.
+            reply, limit = rcpt_reply(to_reply(response, host), host)
+            if limit:
                 limited.append(address)
             replies[address] = reply
             if reply.is_success:

@@ -2,7 +2,8 @@
 :class:`~jsqueue.replies.Reply` (:func:`to_reply`, RFC 5321 §4.2, RFC 3463 enhanced codes)
 and the synthesised replies of a failed hop, with a detail and worded for the smarthost when
 the hop is one (:func:`hop_reply`); and the server's limit of recipients per transaction
-(:func:`too_many_recipients`, :func:`limit_reply`, RFC 5321 §4.5.3.1.10).
+(:func:`too_many_recipients`, :func:`limit_reply`, :func:`rcpt_reply`, RFC 5321
+§4.5.3.1.10).
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from jsqueue.replies import (
     Reply,
 )
 
-__all__ = ["hop_reply", "limit_reply", "to_reply", "too_many_recipients", "with_detail"]
+__all__ = [
+    "hop_reply",
+    "limit_reply",
+    "rcpt_reply",
+    "to_reply",
+    "too_many_recipients",
+    "with_detail",
+]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?=\s|$)")
 
@@ -92,16 +100,47 @@ def to_reply(
     return Reply(code=code, enhanced=enhanced, text="\n".join(lines), remote_host=remote_host)
 
 
+#: How servers word their recipient limit in a 552 without the X.5.3 code ("too many
+#: recipients", "recipient limit exceeded", "maximum number of recipients reached", ...).
+_LIMIT_TEXT = re.compile(
+    r"too many (?:recipients|rcpts)|(?:recipients?|rcpts?) limit|limit (?:of|on) recipients"
+    r"|max(?:imum)?(?: number of)? (?:recipients|rcpts)",
+    re.IGNORECASE,
+)
+
+
 def too_many_recipients(reply: Reply) -> bool:
     """Whether an RCPT reply is the server's limit of recipients per transaction (RFC 5321
-    §4.5.3.1.10): ``452``, an enhanced ``X.5.3`` (RFC 3463 §3.6), or ``552`` saying "too many
-    recipients" (which the client SHOULD treat as temporary). A ``552 5.2.2`` mailbox full
-    is not one. Pure."""
+    §4.5.3.1.10): ``452``, an enhanced ``X.5.3`` (RFC 3463 §3.6), or ``552`` worded as a
+    recipient limit ("too many recipients", "recipient limit exceeded", ...). Pure."""
     if reply.code == 452:
         return True
     if reply.enhanced is not None and reply.enhanced[1:] == ".5.3" and not reply.is_success:
         return True
-    return reply.code == 552 and "too many recipients" in reply.text.lower()
+    return reply.code == 552 and _LIMIT_TEXT.search(reply.text) is not None
+
+
+def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
+    """An RCPT reply as recorded, and whether it is the server's recipient limit (the
+    recipients from this one on go in a further transaction). Pure.
+
+    - The limit (:func:`too_many_recipients`): :func:`limit_reply`, temporary.
+    - Any other ``552``: temporary too, as ``452`` with the enhanced code's class 4 and the
+      server's text kept. RFC 5321 §4.5.3.1.10: clients SHOULD treat a 552 to RCPT as
+      temporary (RFC 821 listed it for the recipient limit, and servers still send it for
+      that in words of their own); RFC 3463 §3.3: X.2.2 mailbox full is a persistent
+      transient failure. It is retried like any deferral and bounced when the message
+      expires, never at once.
+    - Anything else: unchanged.
+    """
+    if too_many_recipients(reply):
+        return limit_reply(reply, remote_host), True
+    if reply.code == 552:
+        enhanced = None if reply.enhanced is None else "4" + reply.enhanced[1:]
+        was = "552" if reply.enhanced is None else f"552 {reply.enhanced}"
+        text = f"{reply.text} ({was} to RCPT, treated as temporary: RFC 5321 §4.5.3.1.10)"
+        return reply.model_copy(update={"code": 452, "enhanced": enhanced, "text": text}), False
+    return reply, False
 
 
 def limit_reply(reply: Reply, remote_host: str | None) -> Reply:

@@ -29,13 +29,7 @@ from jsqueue.delivery.connections import (
 from jsqueue.delivery.pipelining import pipelined_transaction
 from jsqueue.delivery.policy.decision import MANUAL, TlsPlan
 from jsqueue.delivery.resolver import MxTarget
-from jsqueue.delivery.responses import (
-    hop_reply,
-    limit_reply,
-    to_reply,
-    too_many_recipients,
-    with_detail,
-)
+from jsqueue.delivery.responses import hop_reply, rcpt_reply, to_reply, with_detail
 from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback
 from jsqueue.delivery.starttls import starttls
 from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync
@@ -484,16 +478,15 @@ class OutboundSession:
                 if not accepted:
                     raise NextMx(reply)
                 return all_get(reply, [a for a in paths if a in accepted or a not in replies])
-            if too_many_recipients(reply):
-                # RFC 5321 §4.5.3.1.10: 452 (or 552 "too many recipients", to be treated
-                # as temporary) is the server's recipient limit, never a bounce.
-                reply = limit_reply(reply, self.host)
-                if accepted:
-                    # The limit is reached: the rest go in a further transaction.
-                    self.carry = [by_address[a] for a, _ in offered[index:]]
-                    for a, _ in offered[index:]:
-                        replies[a] = reply
-                    break
+            # RFC 5321 §4.5.3.1.10: 452 (or a 552, to be treated as temporary) is never
+            # a bounce; the server's recipient limit sends the rest in a further transaction.
+            reply, limit = rcpt_reply(reply, self.host)
+            if limit and accepted:
+                # The limit is reached: the rest go in a further transaction.
+                self.carry = [by_address[a] for a, _ in offered[index:]]
+                for a, _ in offered[index:]:
+                    replies[a] = reply
+                break
             replies[address] = reply
             if reply.is_success:
                 accepted.append(address)
