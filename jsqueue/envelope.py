@@ -85,6 +85,30 @@ class Notify(StrEnum):
     DELAY = "DELAY"
 
 
+def xtext_encode(value: str) -> str:
+    """``value`` as RFC 3461 §4 xtext, 7-bit: each UTF-8 octet outside ``!``..``~``, and
+    ``+`` and ``=``, written ``+XX`` (upper-case hex). For ENVID (§4.4) and ASCII ORCPT
+    addresses (§4.2). Pure."""
+    return "".join(
+        chr(b) if 0x21 <= b <= 0x7E and b not in (0x2B, 0x3D) else f"+{b:02X}"
+        for b in value.encode("utf-8")
+    )
+
+
+def utf8_addr_xtext(address: str) -> str:
+    """The RFC 6533 §3 ``utf-8-addr-xtext`` form of an address: 7-bit, with every character
+    outside QCHAR (non-ASCII, controls, space, ``\\``, ``+``, ``=``) written as
+    ``\\x{HEX}`` (the code point; ``+XX`` escapes are not part of this form). For
+    ``utf-8`` ORCPT values and DSN address fields. Pure."""
+    out = []
+    for c in address:
+        if "!" <= c <= "~" and c not in "\\+=":
+            out.append(c)
+        else:
+            out.append(f"\\x{{{ord(c):02X}}}")
+    return "".join(out)
+
+
 class Recipient(BaseModel):
     """One forward-path of the envelope and its delivery state.
 

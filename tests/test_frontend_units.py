@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jsqueue.config import BareLinePolicy
-from jsqueue.envelope import Notify, Recipient
+from jsqueue.envelope import Notify, Recipient, xtext_encode
 from jsqueue.errors import ConfigError, InvalidName
 from jsqueue.frontend.auth import ScryptHash, UserDB, hash_password
 from jsqueue.frontend.data import DataDecoder
@@ -31,7 +31,6 @@ from jsqueue.frontend.syntax import (
     parse_ret,
     parse_size,
     xtext_decode,
-    xtext_encode,
 )
 from jsqueue.frontend.wire import with_enhanced_code
 from jsqueue.store.memory import MemoryIngestLog

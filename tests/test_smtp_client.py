@@ -601,6 +601,39 @@ async def test_null_reverse_path_and_dsn_parameters() -> None:
     assert commands(plain_mx, "RCPT") == ["RCPT TO:<bob@dsn.example.test>"]
 
 
+async def test_utf8_orcpt_and_envid_are_encoded_as_their_rfcs_say() -> None:
+    """A ``utf-8`` ORCPT goes out as RFC 6533 §3 ``utf-8-addr-xtext``: non-ASCII, ``+``,
+    ``=`` and ``\\`` as ``\\x{HEX}`` and never ``+XX`` (which that form does not have: a
+    ``+2B`` there would be read as the three characters); an ENVID with non-ASCII text is
+    plain RFC 3461 §4 xtext, ``+XX`` per UTF-8 octet, never ``\\x{...}``."""
+    host = "127.0.2.82"
+    port = shared_port([host])
+    rcpt = Recipient.from_address(
+        "joerg@dsn.example.test",
+        orcpt="utf-8;jörg+x=y\\z@dsn.example.test",
+        notify=frozenset({Notify.FAILURE}),
+    )
+    env = DeliveryEnvelope(
+        domain="dsn.example.test",
+        reverse_path="alice@example.test",
+        recipients=(rcpt,),
+        envid="Zürich+1",
+    )
+    async with ScriptedMx(host, port, extensions=["DSN"]) as mx:
+        result = await deliver(
+            target("mx.dsn.example.test", host),
+            env,
+            BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n"),
+            settings_for(port),
+        )
+    assert result.delivered == ["joerg@dsn.example.test"]
+    assert commands(mx, "MAIL") == ["MAIL FROM:<alice@example.test> ENVID=Z+C3+BCrich+2B1"]
+    assert commands(mx, "RCPT") == [
+        "RCPT TO:<joerg@dsn.example.test> NOTIFY=FAILURE"
+        " ORCPT=utf-8;j\\x{F6}rg\\x{2B}x\\x{3D}y\\x{5C}z@dsn.example.test"
+    ]
+
+
 async def test_helo_fallback_when_ehlo_is_refused() -> None:
     """RFC 5321 §4.1.1.1 / §3.2: a 5xx to EHLO -> HELO, then a plain transaction."""
     host = "127.0.2.81"

@@ -243,7 +243,8 @@ def _inject_main(argv: list[str]) -> int:
         return EX_NOUSER
     envid = None
     if args.envid is not None:
-        from jsqueue.frontend.syntax import SyntaxProblem, parse_envid, xtext_encode
+        from jsqueue.envelope import xtext_encode
+        from jsqueue.frontend.syntax import SyntaxProblem, parse_envid
 
         try:
             envid = parse_envid(xtext_encode(args.envid))

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope
 from jsqueue.delivery.body import BodyCache
-from jsqueue.delivery.params import notify_param, orcpt_param, size_limit, smtp_path, xtext
+from jsqueue.delivery.params import notify_param, orcpt_param, size_limit, smtp_path
 from jsqueue.delivery.responses import with_detail
 from jsqueue.delivery.transform import ConversionError
-from jsqueue.envelope import Recipient
+from jsqueue.envelope import Recipient, xtext_encode
 from jsqueue.replies import (
     R501_BAD_FORWARD_PATH,
     R501_BAD_REVERSE_PATH,
@@ -158,7 +158,7 @@ async def plan_transaction(
         if env.ret:
             params.append(f"RET={env.ret}".encode())
         if env.envid:
-            params.append(f"ENVID={xtext(env.envid)}".encode())
+            params.append(f"ENVID={xtext_encode(env.envid)}".encode())  # RFC 3461 §4.4
     encoding = "utf-8" if use_utf8 else "ascii"
     try:
         mail = [b"MAIL", f"FROM:<{reverse}>".encode(encoding), *params]

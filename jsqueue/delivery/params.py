@@ -1,6 +1,6 @@
 """How the envelope goes on the wire: MAIL/RCPT paths (an A-label domain for a server without
-SMTPUTF8, RFC 6531 §3.2), the RFC 3461 parameters (xtext ENVID and ORCPT, with RFC 6533
-``utf-8`` addresses; NOTIFY) and the server's RFC 1870 SIZE limit. Pure functions.
+SMTPUTF8, RFC 6531 §3.2), the RFC 3461 parameters (ORCPT, with RFC 6533 ``utf-8``
+addresses; NOTIFY) and the server's RFC 1870 SIZE limit. Pure functions.
 """
 
 from __future__ import annotations
@@ -9,38 +9,24 @@ from collections.abc import Iterable
 
 import idna
 
-from jsqueue.envelope import Notify
+from jsqueue.envelope import Notify, utf8_addr_xtext, xtext_encode
 
-__all__ = ["notify_param", "orcpt_param", "size_limit", "smtp_path", "xtext"]
+__all__ = ["notify_param", "orcpt_param", "size_limit", "smtp_path"]
 
 _NOTIFY_ORDER = (Notify.NEVER, Notify.SUCCESS, Notify.FAILURE, Notify.DELAY)
 
 
-def xtext(value: str) -> str:
-    """``value`` as RFC 3461 §4 xtext (``+XX`` for controls, space, ``+`` and ``=``), with
-    non-ASCII characters as RFC 6533 ``\\x{HEX}``. Pure."""
-    out = []
-    for ch in value:
-        o = ord(ch)
-        if o > 126:
-            out.append(f"\\x{{{o:X}}}")
-        elif o < 33 or ch in "+=":
-            out.append(f"+{o:02X}")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
 def orcpt_param(value: str) -> str:
-    """The ORCPT value for a stored ``type;address`` (``rfc822`` when no type is given):
-    the address xtext-encoded, the type ``utf-8`` for a non-ASCII one (RFC 3461 §4.2,
-    RFC 6533 §3)."""
+    """The ORCPT value for a stored ``type;address`` (``rfc822`` when no type is given),
+    always 7-bit: an ``rfc822`` address as xtext (RFC 3461 §4.2: ``+XX``); a ``utf-8``
+    one, or any non-ASCII address, as ``utf-8;`` and RFC 6533 §3 ``utf-8-addr-xtext``
+    (``\\x{HEX}``, which has no ``+XX``: ``+`` is ``\\x{2B}``). Pure."""
     addr_type, sep, address = value.partition(";")
     if not sep:
         addr_type, address = "rfc822", value
-    if not address.isascii():
-        addr_type = "utf-8"
-    return f"{addr_type};{xtext(address)}"
+    if addr_type.strip().lower() == "utf-8" or not address.isascii():
+        return f"utf-8;{utf8_addr_xtext(address)}"
+    return f"{addr_type};{xtext_encode(address)}"
 
 
 def notify_param(notify: Iterable[Notify]) -> str:

@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from enum import StrEnum
 
-from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
+from jsqueue.envelope import Entry, Notify, Recipient, RecipientState, utf8_addr_xtext
 from jsqueue.replies import Reply
 
 DEFAULT_NOTIFY = frozenset({Notify.FAILURE, Notify.DELAY})
@@ -234,18 +234,6 @@ def _clean(text: str) -> str:
 def _ascii(text: str) -> str:
     """Header text restricted to US-ASCII (RFC 3464 §2.1.1: *text is ASCII)."""
     return "".join(c if " " <= c <= "~" else "?" for c in _clean(text))
-
-
-def utf8_addr_xtext(address: str) -> str:
-    """The RFC 6533 §3 ``utf-8-addr-xtext`` form of an address: 7-bit, with every character
-    outside QCHAR (non-ASCII, controls, space, ``\\``, ``+``, ``=``) written as ``\\x{HEX}``."""
-    out = []
-    for c in address:
-        if "!" <= c <= "~" and c not in "\\+=":
-            out.append(c)
-        else:
-            out.append(f"\\x{{{ord(c):02X}}}")
-    return "".join(out)
 
 
 def address_field(address: str) -> str:

@@ -250,14 +250,6 @@ def xtext_decode(value: str) -> str:
     return _xtext_decode_mixed(check_xtext(value))
 
 
-def xtext_encode(value: str) -> str:
-    """Encode text as ``xtext`` (RFC 3461 §4): ``+``, ``=``, controls and non-ASCII as ``+XX``."""
-    return "".join(
-        chr(b) if 0x21 <= b <= 0x7E and b not in (0x2B, 0x3D) else f"+{b:02X}"
-        for b in value.encode("utf-8")
-    )
-
-
 def parse_notify(value: str | None) -> frozenset[Notify]:
     """Parse ``NOTIFY=`` (RFC 3461 §4.1): ``NEVER`` alone, or SUCCESS/FAILURE/DELAY.
 

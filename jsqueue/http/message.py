@@ -19,15 +19,9 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import Literal
 
-from jsqueue.envelope import Recipient
+from jsqueue.envelope import Recipient, xtext_encode
 from jsqueue.errors import RequestRejected
-from jsqueue.frontend.syntax import (
-    SyntaxProblem,
-    parse_envid,
-    parse_mailbox,
-    parse_orcpt,
-    xtext_encode,
-)
+from jsqueue.frontend.syntax import SyntaxProblem, parse_envid, parse_mailbox, parse_orcpt
 from jsqueue.http.models import BuiltMessage, InjectBody, RecipientSpec
 
 #: RFC 5322 §2.1.1: at most 998 octets per line, CRLF excluded.
