@@ -113,9 +113,13 @@ def build_worker(
     policy = RetryPolicy.from_settings(settings.retry)
     resolver = resolver or resolver_from_settings(settings.worker)
     sites = destination_limits(settings, stores, resolver, observer)
+    # The front end's name is one of ours too: an MX pointing at it loops back.
+    worker = settings.worker.model_copy(
+        update={"own_names": [*settings.worker.own_names, settings.smtp.hostname]}
+    )
     deliverer = SmtpDeliverer(
         resolver,
-        settings.worker,
+        worker,
         PolicyEngine(settings.outbound_tls, settings.worker, stores.policies),
         sites.site_known if sites else None,
     )

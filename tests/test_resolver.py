@@ -242,6 +242,31 @@ async def test_mx_hosts_without_address() -> None:
         assert [t.address for t in await resolver.resolve("mixed.example.test")] == ["127.0.2.7"]
 
 
+async def test_mx_addresses_that_reach_no_remote_server_are_not_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """RFC 5321 §5.1: an MX at ``0.0.0.0`` or ``::`` (connecting there reaches this host
+    itself: a loop), a multicast or the broadcast address is no mail exchanger. A host
+    with only such addresses has no usable address (``5.4.4``); beside
+    a usable one, only the usable one is tried."""
+    zone = """
+        sink.example.test.   300 IN MX 10 zero.example.test.
+        zero.example.test.   300 IN A 0.0.0.0
+        zero.example.test.   300 IN AAAA ::
+        odd.example.test.    300 IN MX 10 many.example.test.
+        many.example.test.   300 IN A 224.0.0.1
+        many.example.test.   300 IN A 255.255.255.255
+        many.example.test.   300 IN A 127.0.2.7
+    """
+    with DnsServer(zone) as dns:
+        resolver = resolver_for(dns)
+        with pytest.raises(PermanentDeliveryError) as perm:
+            await resolver.resolve("sink.example.test")
+        assert perm.value.reply.enhanced == "5.4.4"
+        assert "zero.example.test has no usable address (0.0.0.0, ::)" in caplog.text
+        assert [t.address for t in await resolver.resolve("odd.example.test")] == ["127.0.2.7"]
+
+
 async def test_smarthost_and_static_resolvers(dns: DnsServer) -> None:
     """Smarthost mode: every domain goes to the relay, with its port and relay=True (the only
     targets that may get AUTH credentials); names resolved through the configured DNS."""

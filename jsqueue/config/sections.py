@@ -151,6 +151,12 @@ class SmtpSettings(_Section):
     hostname: str = Field("localhost", description="name in the greeting and Received:")
     max_message_size: int = Field(50_000_000, ge=1024, description="SIZE limit, octets")
     max_recipients: int = Field(1000, ge=1, description="RCPT limit per message")
+    max_received: int = Field(
+        100,
+        ge=10,
+        description="Received: header fields a message may arrive with; more is a mail loop, "
+        "refused with 554 5.4.6 (RFC 5321 §6.3: allow at least 100)",
+    )
     max_sessions: int = Field(200, ge=1, description="concurrent SMTP sessions")
     session_timeout_s: float = Field(300.0, gt=0, description="idle command timeout, seconds")
     relay_networks: list[IPv4Network | IPv6Network] = Field(
@@ -190,6 +196,13 @@ class WorkerSettings(_Section):
     concurrency: int = Field(20, ge=1, description="deliveries in flight per worker")
     batch: int = Field(20, ge=1, description="work items fetched per request")
     ehlo_name: str = Field("localhost", description="EHLO name of outbound sessions")
+    own_names: list[str] = Field(
+        default_factory=list,
+        description="more names this queue's SMTP services answer EHLO with (smtp.hostname "
+        "is added): a next hop answering EHLO with one of them, or with ehlo_name, is this "
+        "queue, and the mail loops back (554 5.4.6, RFC 5321 §5.1); names without a dot "
+        "and localhost are never taken for ours",
+    )
     mx_port: int = Field(25, ge=1, le=65535, description="TCP port of remote MXes")
     max_mx_addresses: int = Field(5, ge=1, description="MX addresses tried per attempt")
     nameservers: list[str] = Field(default_factory=list, description="resolver IPs; empty=system")

@@ -20,7 +20,7 @@ from jsqueue.delivery.policy.decision import PolicyEngine, TlsPlan
 from jsqueue.delivery.policy.notes import fallback_note, last_failure, refused_reply, with_note
 from jsqueue.delivery.resolver import MxTarget, Resolver
 from jsqueue.delivery.responses import with_detail
-from jsqueue.delivery.session import NextMx, OutboundSession, TlsFallback
+from jsqueue.delivery.session import LoopsBack, NextMx, OutboundSession, TlsFallback
 from jsqueue.errors import DeliveryError
 from jsqueue.replies import R451_CONNECT_FAILED, Reply, TlsNote
 
@@ -103,7 +103,10 @@ async def deliver(
     body_cache = BodyCache(body, signer, envelope.reverse_path)
     last: Reply | None = None  # every target that did not return set it
     earlier: list[TlsNote] = []  # TLS notes of the sessions that failed (RFC 8460 counts)
+    loop: Reply | None = None
     for target in targets:
+        if loop is not None:
+            break
         allow_tls = True
         plan = (plans or {}).get(target.host)
         if plan is not None and plan.refuse is not None:
@@ -127,6 +130,12 @@ async def deliver(
                 allow_tls = False
                 earlier.append(fallback_note(plan, session, e))
                 continue
+            except LoopsBack as e:
+                # RFC 5321 §5.1: this target and every one after it (the same or a lower
+                # preference) are dropped.
+                log.error("%s [%s]: %s", target.host, target.address, e.reply)
+                loop = e.reply
+                break
             except NextMx as e:
                 log.info(
                     "%s [%s]: %s; trying the next %s",
@@ -139,6 +148,11 @@ async def deliver(
                 earlier.extend([e.reply.tls] if e.reply.tls else [])
                 break
             return with_note(await _rest(result, session, cache), session, earlier)
+    if loop is not None and last is None:
+        # The best target is this queue itself: a permanent failure (RFC 3463 X.4.6),
+        # bounced, never retried. With a better target tried and failed, the attempt is
+        # deferred with that target's failure instead.
+        return DeliveryResult(replies={r.address: loop for r in recipients}, tried_host=target.host)
     failed = last_failure(last, earlier) or with_detail(
         R451_CONNECT_FAILED, "no mail exchanger answered"
     )

@@ -318,8 +318,16 @@ class DnsResolver:
             else:
                 bucket.extend(result)
         ordered = v6 + v4 if self._prefer_ipv6 else v4 + v6
+        unusable = [a for a in ordered if not _usable(a)]
+        if unusable:
+            # 0.0.0.0 and :: reach this host itself, multicast and broadcast no one
+            log.warning("%s: address(es) %s not used", host, ", ".join(unusable))
+            ordered = [a for a in ordered if _usable(a)]
         if not ordered and error is None:
-            error = PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, f"{host} has no address"))
+            why = f"{host} has no usable address ({', '.join(unusable)})" if unusable else ""
+            error = PermanentDeliveryError(
+                _reply(R550_MX_HOST_NOT_FOUND, why or f"{host} has no address")
+            )
         return ordered, error
 
     async def lookup_addresses(self, host: str) -> list[str]:
@@ -340,6 +348,14 @@ class DnsResolver:
         except _NoData:
             return []
         return [rd.to_text() for rd in rrset]
+
+
+def _usable(address: str) -> bool:
+    """Whether a mail exchanger's address can be a remote SMTP server: not unspecified
+    (``0.0.0.0``, ``::``: connecting reaches this host), multicast or the limited
+    broadcast address (RFC 5321 §5.1: an MX pointing back at the sender is a loop)."""
+    ip = ipaddress.ip_address(address)
+    return not (ip.is_unspecified or ip.is_multicast or address == "255.255.255.255")
 
 
 class StaticResolver:

@@ -30,7 +30,7 @@ from jsqueue.delivery.pipelining import pipelined_transaction
 from jsqueue.delivery.policy.decision import MANUAL, TlsPlan
 from jsqueue.delivery.resolver import MxTarget
 from jsqueue.delivery.responses import hop_reply, rcpt_reply, to_reply, with_detail
-from jsqueue.delivery.signals import Failed, NextMx, TlsFallback, is_loopback
+from jsqueue.delivery.signals import Failed, LoopsBack, NextMx, TlsFallback, is_loopback, ours
 from jsqueue.delivery.starttls import starttls
 from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync
 from jsqueue.delivery.transform import DotStuffer
@@ -44,11 +44,12 @@ from jsqueue.replies import (
     R451_TIMEOUT,
     R501_BAD_FORWARD_PATH,
     R501_BAD_REVERSE_PATH,
+    R554_LOOPS_BACK,
     Reply,
     TlsNote,
 )
 
-__all__ = ["NextMx", "OutboundSession", "TlsFallback"]
+__all__ = ["LoopsBack", "NextMx", "OutboundSession", "TlsFallback"]
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,7 @@ class OutboundSession:
             "EHLO", s.mail_timeout_s, b"EHLO", s.ehlo_name.encode()
         )
         if reply.is_success:
+            self._not_myself(response, "EHLO")
             # Lets aiosmtplib's starttls()/login() see the extensions without a new EHLO.
             self.smtp.last_ehlo_response = response
             return dict(self.smtp.esmtp_extensions)
@@ -241,8 +243,25 @@ class OutboundSession:
         )
         if not helo.is_success:
             raise NextMx(self._as_temporary(helo, "HELO"))
+        self._not_myself(response, "HELO")
         self.smtp.last_helo_response = response
         return {}
+
+    def _not_myself(self, response: SMTPResponse, verb: str) -> None:
+        """RFC 5321 §5.1: a next hop that answers EHLO/HELO with this queue's own name is
+        this queue (an MX or smarthost pointing back at it).
+
+        Raises:
+            LoopsBack: ``554 5.4.6`` "mail for <domain> loops back to myself".
+        """
+        s = self.settings
+        name = ours(response.message, [s.ehlo_name, *s.own_names])
+        if name is not None:
+            detail = (
+                f"mail for {self.envelope.domain} loops back to myself: {self.where()} "
+                f"answered {verb} as {name}"
+            )
+            raise LoopsBack(with_detail(R554_LOOPS_BACK, detail))
 
     async def _command_or_next(
         self, stage: str, timeout_s: float, *args: bytes

@@ -1,15 +1,17 @@
 """Signals between :class:`~jsqueue.delivery.session.OutboundSession` and
 :func:`~jsqueue.delivery.client.deliver` (:class:`NextMx`, :class:`TlsFallback`,
-:class:`Failed`), never raised out of the package, and two address tests the session needs.
+:class:`Failed`, :class:`LoopsBack`), never raised out of the package, and the address and
+name tests the session needs.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 
 from jsqueue.replies import Reply
 
-__all__ = ["Failed", "NextMx", "TlsFallback", "is_loopback", "literal_like"]
+__all__ = ["Failed", "LoopsBack", "NextMx", "TlsFallback", "is_loopback", "literal_like", "ours"]
 
 
 class NextMx(Exception):
@@ -25,6 +27,34 @@ class NextMx(Exception):
     def __init__(self, reply: Reply) -> None:
         super().__init__(str(reply))
         self.reply = reply
+
+
+class LoopsBack(NextMx):
+    """The target is this queue itself (it answered EHLO with one of this queue's names):
+    RFC 5321 §5.1, the client that finds itself among the MXes drops that MX and every MX
+    of the same or a lower preference, so no further target of the attempt is tried.
+
+    Attributes:
+        reply: ``554 5.4.6`` "mail for <domain> loops back to myself" (RFC 3463 X.4.6).
+    """
+
+
+def ours(ehlo_reply: str, names: Iterable[str]) -> str | None:
+    """The name a next hop gave in its EHLO (or HELO) reply text (the first word of the
+    first line, RFC 5321 §4.1.1.1) when it is one of ``names`` (case-insensitive, a final
+    dot ignored); None otherwise. Names without a dot and ``localhost...`` are never
+    matched: servers that call themselves so are many and none of them is known to be us.
+    Pure."""
+    words = ehlo_reply.split("\n", 1)[0].split()
+    if not words:
+        return None
+    given = words[0].rstrip(".").lower()
+    mine = {
+        n.rstrip(".").lower()
+        for n in names
+        if "." in n.rstrip(".") and not n.lower().startswith("localhost")
+    }
+    return given if given in mine else None
 
 
 class TlsFallback(Exception):

@@ -1,7 +1,8 @@
 """Incremental decoder for the SMTP DATA stream: pure byte handling, no I/O; it finds the
 end of data only at ``<CRLF>.<CRLF>`` (RFC 5321 §4.1.1.4), unstuffs dots (§4.5.2), rejects or
 normalises bare CR/LF (§2.3.8), and rejects lines over 998 octets (§4.5.3.1.6) or messages over
-the SIZE limit (RFC 1870) with one reply after the terminator, handing back the pipelined
+the SIZE limit (RFC 1870), and messages with more ``Received:`` fields than a loop-free
+path has (RFC 5321 §6.3), with one reply after the terminator, handing back the pipelined
 commands that follow it (RFC 2920 §3.1); the rules in full: docs/architecture.md, "DATA
 decoding".
 """
@@ -11,7 +12,13 @@ from __future__ import annotations
 import re
 
 from jsqueue.config import BareLinePolicy
-from jsqueue.replies import R500_DATA_LINE_TOO_LONG, R550_BARE_LINE_ENDING, R552_TOO_BIG, Reply
+from jsqueue.replies import (
+    R500_DATA_LINE_TOO_LONG,
+    R550_BARE_LINE_ENDING,
+    R552_TOO_BIG,
+    R554_TOO_MANY_HOPS,
+    Reply,
+)
 
 #: RFC 5321 §4.5.3.1.6 / RFC 5322 §2.1.1: longest text line, CRLF excluded.
 MAX_LINE_OCTETS = 998
@@ -28,6 +35,7 @@ class DataDecoder:
         eight_bit: some decoded octet is outside US-ASCII.
         bare_line_endings: a bare CR or LF was seen (rejected or normalised per policy).
         done: the terminator has been seen.
+        received: ``Received:`` header fields counted so far (RFC 5321 §6.3).
     """
 
     def __init__(
@@ -36,12 +44,18 @@ class DataDecoder:
         max_size: int,
         bare_line_endings: BareLinePolicy = BareLinePolicy.REJECT,
         max_line: int = MAX_LINE_OCTETS,
+        max_received: int | None = None,
     ) -> None:
         """Args:
         max_size: largest acceptable message in decoded octets (RFC 1870 SIZE).
         bare_line_endings: reject, or normalise bare CR/LF to CRLF (RFC 5321 §2.3.8).
         max_line: longest acceptable line in octets, CRLF excluded.
+        max_received: most ``Received:`` header fields accepted; one more is a mail loop
+            (554 5.4.6, RFC 5321 §6.3, RFC 3463 X.4.6); None = not counted.
         """
+        self._max_received = max_received
+        self._in_header = max_received is not None  # counting until the header ends
+        self.received = 0
         self._max_size = max_size
         self._accept_bare = bare_line_endings == BareLinePolicy.ACCEPT
         self._max_line = max_line
@@ -148,6 +162,10 @@ class DataDecoder:
         ):
             self._fail(R500_DATA_LINE_TOO_LONG)
             return b""
+        if self._in_header:
+            self._count_received(out)
+            if self.error is not None:
+                return b""
         self.size += len(out)
         if self.size > self._max_size:
             self._fail(R552_TOO_BIG)
@@ -155,6 +173,22 @@ class DataDecoder:
         if not self.eight_bit and not out.isascii():
             self.eight_bit = True
         return out
+
+    def _count_received(self, out: bytes) -> None:
+        """Count the ``Received:`` fields among the header lines of ``out`` (complete,
+        decoded lines) until the empty line that ends the header (RFC 5322 §2.1)."""
+        assert self._max_received is not None
+        for line in out.split(b"\r\n")[:-1]:
+            if not line:
+                self._in_header = False
+                return
+            # the name, then optional white space before the colon (RFC 5322 §4.5)
+            if line[:8].lower() == b"received" and line[8:].lstrip(b" \t")[:1] == b":":
+                self.received += 1
+                if self.received > self._max_received:
+                    self._in_header = False
+                    self._fail(R554_TOO_MANY_HOPS)
+                    return
 
 
 def _last_break(buf: bytes) -> int:

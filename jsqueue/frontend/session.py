@@ -606,7 +606,9 @@ class InboundSession(SMTP):
         settings = self._settings
         upload = self._server.ingest.upload(queue_id)
         decoder = DataDecoder(
-            max_size=settings.max_message_size, bare_line_endings=settings.bare_line_endings
+            max_size=settings.max_message_size,
+            bare_line_endings=settings.bare_line_endings,
+            max_received=settings.max_received,
         )
         content = hashlib.sha256()
         received = received_header(

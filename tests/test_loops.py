@@ -1,0 +1,188 @@
+"""Mail loops: a message whose MX (or smarthost) is this queue itself. Real nats-server, DNS
+server, front ends and scripted MXes on loopback.
+
+Two guards, as RFC 5321 has them: the worker knows itself in the next hop's EHLO reply
+(§5.1, "loops back to myself") and bounces at the first hop; a loop it cannot see (another
+name, a chain of hosts) is cut by the front end, which refuses a message that arrives with
+more ``Received:`` fields than a loop-free path has (§6.3), so it bounces after at most
+``smtp.max_received`` hops instead of going round for ever.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
+
+from jsqueue.config import SmtpSettings, WorkerSettings
+from jsqueue.delivery.base import BodySource, DeliveryEnvelope
+from jsqueue.delivery.client import deliver
+from jsqueue.delivery.resolver import MxTarget
+from jsqueue.delivery.signals import ours
+from jsqueue.envelope import Recipient
+from jsqueue.frontend.data import DataDecoder
+from jsqueue.frontend.server import SmtpServer
+from support.cases import case_message
+from support.mx import ScriptedMx, SmtpdMx, shared_port
+from support.queue import REPORTING_MTA, Harness, eventually
+
+ME = "out.jsqueue.example.test"
+
+
+def test_ours_takes_the_first_word_of_the_reply_and_never_a_bare_name() -> None:
+    """RFC 5321 §4.1.1.1: the EHLO reply starts with the server's domain. Matched
+    case-insensitively, a final dot ignored; ``localhost`` and names without a dot (what
+    many servers call themselves) are never taken for ours."""
+    assert ours("OUT.jsqueue.example.test. Hello you\nPIPELINING", [ME]) == ME
+    assert ours("mx.example.test Hello\nPIPELINING", [ME]) is None
+    assert ours(f"greets {ME}", [ME]) is None
+    assert ours("localhost", ["localhost"]) is None
+    assert ours("localhost.localdomain", ["localhost.localdomain"]) is None
+    assert ours("mailhost", ["mailhost"]) is None
+    assert ours("", [ME]) is None
+
+
+def test_the_data_decoder_counts_received_fields_of_the_header_only() -> None:
+    """RFC 5321 §6.3: one ``Received:`` more than ``max_received`` (in any case, with white
+    space before the colon, RFC 5322 §4.5) is refused with 554 5.4.6 after the terminator;
+    lines of the body and folded continuations do not count."""
+    header = b"".join(b"Received: from h%d by h\r\n\t(folded)\r\n" % i for i in range(9))
+    ok = header + b"RECEIVED : from x\r\nSubject: t\r\n\r\nReceived: in the body\r\n.\r\n"
+    decoder = DataDecoder(max_size=10_000, max_received=10)
+    for i in range(0, len(ok), 7):  # split anywhere
+        decoder.feed(ok[i : i + 7])
+    assert decoder.done and decoder.error is None and decoder.received == 10
+    too_many = b"Received: from y\r\n" + ok
+    decoder = DataDecoder(max_size=10_000, max_received=10)
+    content, rest = decoder.feed(too_many + b"QUIT\r\n")
+    assert rest == b"QUIT\r\n" and content == b""
+    assert decoder.error is not None and (decoder.error.code, decoder.error.enhanced) == (
+        554,
+        "5.4.6",
+    )
+
+
+def _client_settings(port: int) -> WorkerSettings:
+    return WorkerSettings.model_validate({"mx_port": port, "ehlo_name": ME})
+
+
+def _envelope() -> DeliveryEnvelope:
+    return DeliveryEnvelope(
+        domain="loop.example.test",
+        reverse_path="alice@example.test",
+        recipients=(Recipient.from_address("u@loop.example.test"),),
+    )
+
+
+BODY = BodySource.from_bytes(b"Subject: loop\r\n\r\nbody\r\n")
+
+
+async def test_the_best_mx_being_myself_is_a_bounce_and_the_rest_are_not_tried() -> None:
+    """RFC 5321 §5.1: the client that finds itself among the MXes drops that MX and every
+    one of the same or a lower preference. The first MX answers EHLO with our name: no
+    MAIL is sent to it, the MX after it is not tried, and the recipient fails with
+    ``554 5.4.6`` (RFC 3463 X.4.6), so it is bounced, not retried."""
+    me, other = "127.0.2.140", "127.0.2.141"
+    port = shared_port([me, other])
+    async with ScriptedMx(me, port, name=ME) as mirror, ScriptedMx(other, port) as second:
+        result = await deliver(
+            [
+                MxTarget(host="mx1.loop.example.test", address=me, preference=10),
+                MxTarget(host="mx2.loop.example.test", address=other, preference=20),
+            ],
+            _envelope(),
+            BODY,
+            _client_settings(port),
+        )
+    reply = result.replies["u@loop.example.test"]
+    assert (reply.code, reply.enhanced) == (554, "5.4.6") and reply.is_permanent
+    assert "loops back to myself" in reply.text and ME in reply.text
+    assert "MAIL" not in [v for s in mirror.sessions for v in s.verbs()]
+    assert second.connections == 0
+
+
+async def test_myself_after_a_better_mx_that_failed_defers_with_its_failure() -> None:
+    """A better MX (a lower preference) was tried and failed for now; then the next one is
+    this queue: the attempt ends there, deferred with the better MX's failure (it may take
+    the mail later), not bounced."""
+    better, me = "127.0.2.142", "127.0.2.143"
+    port = shared_port([better, me])
+    async with (
+        ScriptedMx(better, port, greeting="421 4.3.2 busy") as first,
+        ScriptedMx(me, port, name=ME) as mirror,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.loop.example.test", address=better, preference=5),
+                MxTarget(host="mx2.loop.example.test", address=me, preference=10),
+            ],
+            _envelope(),
+            BODY,
+            _client_settings(port),
+        )
+    reply = result.replies["u@loop.example.test"]
+    assert reply.is_temporary and "mx1.loop.example.test" in reply.text, reply
+    assert first.connections == 1 and mirror.connections == 1
+
+
+async def _own_frontend(h: Harness, address: str, **smtp: object) -> SmtpServer:
+    settings = SmtpSettings.model_validate({"host": address, "port": h.mx_port, **smtp})
+    server = SmtpServer(settings, h.stores)
+    await server.start()
+    return server
+
+
+async def _settled(h: Harness) -> bool:
+    """Nothing left to deliver: only the (final) bounce's entry stays, as DSN entries do."""
+    page = await h.stores.entries.page()
+    return [(v.entry.is_dsn, v.entry.is_final) for v in page] == [(True, True)]
+
+
+async def _bounce_of(h: Harness, sender_mx: SmtpdMx, status: str) -> None:
+    await eventually(lambda: len(sender_mx.delivered) == 1, timeout_s=20, what="the bounce")
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert [g["Status"] for g in groups] == [status]
+    assert groups[0]["Action"] == "failed"
+
+
+async def test_an_mx_that_is_this_queue_bounces_at_the_first_hop(queue_harness: Harness) -> None:
+    """The MX of loop.example.test is this queue's own front end, which answers EHLO with
+    ``smtp.hostname``: the worker knows itself (the front end's name is one of its own
+    names), sends nothing there and bounces the message once with 5.4.6. Nothing was queued
+    a second time: the bounce is all that is left."""
+    h = queue_harness
+    h.dns.add(one_mx("loop.example.test", "127.0.2.144"))
+    own = await _own_frontend(h, "127.0.2.144", hostname=REPORTING_MTA)
+    try:
+        async with SmtpdMx("127.0.2.1", h.mx_port) as sender_mx:
+            qid = await h.submit(case_message("CASE-07"), ["u@loop.example.test"])
+            async with h.running():
+                await _bounce_of(h, sender_mx, "5.4.6")
+                await eventually(lambda: gone(h, qid), what="the message removed")
+                await eventually(lambda: _settled(h), timeout_s=20, what="the bounce sent")
+    finally:
+        await own.stop(timeout_s=2)
+
+
+@pytest.mark.parametrize("max_received", [10, 30])
+async def test_a_loop_under_another_name_is_cut_by_the_received_count(
+    queue_harness: Harness, max_received: int
+) -> None:
+    """The MX is this queue's front end under a name the worker does not know as its own (a
+    second host name, a chain of relays): each round adds a ``Received:`` field, and the
+    round that brings one more than ``smtp.max_received`` is refused with 554 5.4.6 (RFC
+    5321 §6.3), so the message bounces after that many hops and nothing else is left."""
+    h = queue_harness
+    h.dns.add(SENDER_ZONE + one_mx("loop.example.test", "127.0.2.145"))
+    own = await _own_frontend(
+        h, "127.0.2.145", hostname="inbound.other.example.test", max_received=max_received
+    )
+    try:
+        async with SmtpdMx("127.0.2.1", h.mx_port) as sender_mx:
+            await h.submit(case_message("CASE-07"), ["u@loop.example.test"])
+            async with h.running():
+                await _bounce_of(h, sender_mx, "5.4.6")
+                await eventually(lambda: _settled(h), timeout_s=20, what="every copy gone")
+            raw = sender_mx.delivered[0].content or b""
+            assert b"Too many Received: header fields" in raw
+    finally:
+        await own.stop(timeout_s=2)
