@@ -109,6 +109,44 @@ async def test_resend_within_window_is_stored_once(stores: Stores) -> None:
     assert len(await due_domains(stores)) == 4  # two messages, two domains each
 
 
+async def test_a_resend_after_the_first_copy_was_delivered_is_not_stored_again(
+    stores: Stores,
+) -> None:
+    """RFC 5321 §6.1: a client that lost the 250 resends the same transaction; by then the
+    first copy may be delivered and its entry removed (the worker deletes it at once). The
+    entry store's delete marker says it was stored, so the resend still gets the first id
+    and no second copy is queued (or sent)."""
+    if stores.ingest is None:
+        pytest.skip("backend without an ingest log")
+    ingest = Ingest(frontend_settings(dedupe_window_s=60), stores)
+    first = await ingest_once(ingest, submission())
+    assert len(await due_domains(stores)) == 2
+    v = await stores.entries.get(first)
+    await stores.entries.delete(first, revision=v.revision)  # delivered and removed
+    assert await ingest_once(ingest, submission()) == first
+    assert await due_domains(stores) == []
+    assert await stores.entries.page() == []
+
+
+async def test_a_resend_after_a_failed_ingest_is_stored() -> None:
+    """The first try wrote its entry, then its work item failed: 451, and the entry is
+    discarded without a trace, so the client's resend (the same transaction) is stored as
+    the message it is, under a new id, and not answered with the id of the copy that
+    never was."""
+    faulty = FaultyStores()
+    ingest = Ingest(frontend_settings(dedupe_window_s=60), faulty.stores)
+    faulty.fault("schedule").fail = True
+    upload = ingest.upload(new_queue_id())
+    await upload.write(MESSAGE)
+    with pytest.raises(NotQueued):
+        await ingest.commit(upload, submission())
+    faulty.fault("schedule").fail = False
+    again = await ingest_once(ingest, submission())
+    assert again != upload.queue_id
+    assert (await faulty.inner.entries.get(again)).entry.id == again
+    assert len(await due_domains(faulty.inner)) == 2
+
+
 @pytest.mark.parametrize("step", ["put", "create", "schedule"])
 async def test_storage_failure_is_451_and_leaves_nothing(step: str) -> None:
     """DESIGN.md §2.1: if any store fails the answer is 451 4.3.0, never 250, and what was

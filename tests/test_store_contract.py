@@ -372,6 +372,25 @@ async def test_entry_delete(stores: Stores) -> None:
     assert (await stores.entries.get(entry.id)).revision == rev3
 
 
+async def test_entry_discard_leaves_no_trace(stores: Stores) -> None:
+    """``discard`` (an ingest that failed after the entry was written): afterwards the id
+    reads as never stored (EntryNotFound, not EntryDeleted), no page lists it, and it
+    can be created again. Idempotent, on a missing id too."""
+    entry = make_entry()
+    await stores.entries.create(entry)
+    await stores.entries.discard(entry.id)
+    with pytest.raises(EntryNotFound) as gone:
+        await stores.entries.get(entry.id)
+    assert not isinstance(gone.value, EntryDeleted)
+    assert entry.id not in [v.entry.id for v in await stores.entries.page()]
+    await stores.entries.discard(entry.id)
+    await stores.entries.discard(new_queue_id())
+    with pytest.raises(InvalidName):
+        await stores.entries.discard("a.b")
+    rev = await stores.entries.create(entry)
+    assert (await stores.entries.get(entry.id)).revision == rev
+
+
 async def test_concurrent_updaters_exactly_one_wins(stores: Stores) -> None:
     entry = make_entry()
     rev = await stores.entries.create(entry)

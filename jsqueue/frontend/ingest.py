@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from jsqueue.config import SmtpSettings
 from jsqueue.envelope import Entry, Recipient, WorkItem, utcnow
-from jsqueue.errors import EntryNotFound, JsqueueError, reason
+from jsqueue.errors import EntryDeleted, EntryNotFound, JsqueueError, reason
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.replies import R451_LOCAL_ERROR, Reply
 from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores
@@ -305,8 +305,11 @@ class Ingest:
         ``queue_id`` is recorded under ``key`` (one write: :meth:`IngestLog.claim`).
 
         Best effort: a failing lookup counts as "none" (the message is then queued anew).
-        A record whose entry does not exist (delivered and removed, or its ingest failed
-        after the claim) is replaced by ours.
+        A record whose entry was deleted (delivered and removed, or deleted by an operator:
+        the entry store keeps a delete marker) names a copy that was stored: the resend is
+        that copy (RFC 5321 §6.1). A record whose entry was never stored, or was discarded
+        after its ingest failed (answered 451, :meth:`EntryStore.discard` leaves no marker),
+        is replaced by ours.
         """
         assert self._log is not None
         try:
@@ -314,6 +317,8 @@ class Ingest:
             if found is None:
                 return None
             await self._stores.entries.get(found)
+        except EntryDeleted:
+            return found
         except EntryNotFound:
             await self._record(key, queue_id)
             return None
@@ -416,8 +421,8 @@ class Ingest:
                 # Both at once: two round trips before the 250, not three. A worker that
                 # gets an item before the entry is stored tries it again shortly
                 # (jsqueue.state.CREATE_GRACE_S). Should either fail, the entry and items
-                # are removed; a resend then finds the ingest record of this id without its
-                # entry and takes its place.
+                # are removed without a trace; a resend then finds the ingest record of this
+                # id without its entry and takes its place.
                 stored = await asyncio.gather(
                     self._stores.entries.create(entry),
                     *(
@@ -471,7 +476,8 @@ class Ingest:
             try:
                 async with asyncio.timeout(self._settings.store_timeout_s):
                     await asyncio.gather(
-                        self._stores.entries.delete(queue_id),
+                        # no delete marker: to a resend, this message was never stored
+                        self._stores.entries.discard(queue_id),
                         self._stores.scheduler.cancel(queue_id),
                     )
             except (JsqueueError, TimeoutError, OSError) as e:

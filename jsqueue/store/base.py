@@ -177,6 +177,19 @@ class EntryStore(Protocol):
         """
         ...
 
+    async def discard(self, queue_id: str) -> None:
+        """Remove the entry of a message whose ingest failed (it was answered ``451``),
+        leaving no trace: :meth:`get` raises :class:`EntryNotFound` afterwards, never
+        :class:`EntryDeleted`, as for an id never stored. The front end's resend
+        protection tells the two apart (a deleted entry was stored, a resend of it is a
+        copy; a discarded one was not). Idempotent.
+
+        Raises:
+            InvalidName: bad queue id.
+            StoreUnavailable: the backend failed (the entry may still be there).
+        """
+        ...
+
     async def page(
         self, *, state: EntryState | None = None, after: str | None = None, limit: int = 100
     ) -> list[Versioned]:

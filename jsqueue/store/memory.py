@@ -182,6 +182,11 @@ class MemoryEntryStore:
         self._entries[entry.id] = (data, rev)
         return rev
 
+    async def discard(self, queue_id: str) -> None:
+        """See :meth:`EntryStore.discard`."""
+        self._entries.pop(check_queue_id(queue_id), None)
+        self._deleted.discard(queue_id)
+
     async def delete(self, queue_id: str, revision: int | None = None) -> None:
         """See :meth:`EntryStore.delete`.
 

@@ -239,6 +239,18 @@ class JetStreamEntryStore:
         except _WrongRevision as e:
             raise RevisionConflict(f"entry {queue_id}: expected revision {revision}") from e
 
+    async def discard(self, queue_id: str) -> None:
+        """See :meth:`EntryStore.discard`: the key's messages purged from the stream (one
+        JetStream API request), no marker written.
+
+        Raises:
+            InvalidName: bad queue id.
+            StoreUnavailable: the purge failed.
+        """
+        check_queue_id(queue_id)
+        with translate(f"entry {queue_id}: discard"):
+            await self.js.purge_stream(self.stream, subject=self._pre + queue_id)
+
     async def keys(self) -> list[str]:
         """Every key in the bucket (deleted keys whose marker has not expired included),
         sorted. One stream-info request per 100k keys; no consumer.
