@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import aiosmtplib
 import pytest
+from aiosmtplib.protocol import SMTPProtocol
 from test_worker import _Events, gone, one_mx, tried_once
 
 from jsqueue.config import WorkerSettings
@@ -358,16 +359,19 @@ async def test_extra_lines_after_the_final_reply_make_the_outcome_uncertain() ->
 
 async def test_aiosmtplib_private_names_the_reply_guard_relies_on() -> None:
     """jsqueue.delivery.sync overrides ``SMTP._create_connection`` and reads the protocol's
-    ``_buffer``, ``_response_waiter`` and ``_response_pending``: an aiosmtplib upgrade that
-    renames one must fail here, not silently stop detecting shifted replies."""
+    ``_buffer``, ``_response_waiter`` and ``_response_pending``, and reads replies itself,
+    failing a read with ``_set_response_exception`` and leaving what follows a reply in
+    ``_buffer``, which aiosmtplib's STARTTLS empties (RFC 3207 §4.2): an aiosmtplib upgrade
+    that renames one must fail here, not silently stop detecting shifted replies."""
     assert list(inspect.signature(aiosmtplib.SMTP._create_connection).parameters) == [
         "self",
         "timeout",
     ]
     assert callable(aiosmtplib.SMTP._on_connection_lost)
     protocol = GuardedProtocol(loop=asyncio.get_running_loop())
-    for name in ("_buffer", "_response_waiter", "_response_pending"):
+    for name in ("_buffer", "_response_waiter", "_response_pending", "_set_response_exception"):
         assert hasattr(protocol, name), name
+    assert "del self._buffer[:]" in inspect.getsource(SMTPProtocol.start_tls)
 
 
 async def test_worker_never_bounces_for_a_shifted_reply(

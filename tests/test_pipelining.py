@@ -6,6 +6,8 @@ reply parser on its own. The last test runs CASE-07 through a real queue (nats-s
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 from test_smtp_client import (
     CASE19_BLOCKED,
@@ -19,7 +21,13 @@ from test_smtp_client import (
 from test_worker import SENDER_ZONE, dsn_parts, gone
 
 from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
-from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
+from jsqueue.delivery.replyparser import (
+    CUT_MARK,
+    MAX_LINE_OCTETS,
+    MAX_REPLY_OCTETS,
+    MalformedReply,
+    ReplyParser,
+)
 from jsqueue.envelope import Notify, Recipient
 from support.cases import case_message, case_text
 from support.mx import CLOSE, SILENT, ScriptedMx, Session, SmtpdMx, shared_port
@@ -407,6 +415,72 @@ async def test_malformed_reply_in_a_group_is_a_protocol_error() -> None:
     assert mx.delivered == []
 
 
+# --- one set of reply rules for both paths (RFC 5321 §4.2, §4.2.1) ------------------------
+
+PATHS = pytest.mark.parametrize("pipelining", [False, True], ids=["one-at-a-time", "pipelined"])
+
+
+@PATHS
+@pytest.mark.parametrize(
+    "rcpt",
+    [
+        "250-2.1.5 ok\n550 5.1.1 no such user",  # the lines disagree on the code
+        "550-5.1.1 no such user\n250 2.1.5 ok",
+        "2500 ok",  # a fourth digit where SP, "-" or the end of the line must be
+        "250ok",
+    ],
+)
+async def test_malformed_reply_is_a_protocol_error_on_both_paths(
+    rcpt: str, pipelining: bool
+) -> None:
+    """RFC 5321 §4.2, §4.2.1: every line of a reply carries the same code, followed by SP,
+    "-" or the end of the line. A reply that breaks this is malformed, a protocol error:
+    temporary (4.5.0), never delivered, never bounced, whether the RCPT went out in a
+    pipelined group (RFC 2920) or alone; both paths read replies with one parser."""
+    host = "127.0.2.232"
+    port = shared_port([host])
+    async with ScriptedMx(host, port, rcpt=rcpt) as mx:
+        result = await deliver(
+            target("mx.p.example.test", host),
+            envelope(A),
+            body(),
+            settings_for(port, pipelining=pipelining),
+        )
+    reply = result.replies[A]
+    assert result.deferred == [A], str(reply)
+    assert (reply.code, reply.enhanced) == (451, "4.5.0")
+    assert mx.delivered == []
+    verbs = mx.sessions[0].verbs()
+    assert verbs[:3] == ["EHLO", "MAIL", "RCPT"]
+    assert pipelining or "DATA" not in verbs  # (a pipelined group always holds DATA)
+
+
+@PATHS
+async def test_overlong_reply_line_keeps_its_code(pipelining: bool) -> None:
+    """RFC 5321 §4.5.3.1.5 bounds a reply line at 512 octets, and servers exceed it. A line
+    over MAX_LINE_OCTETS says its code in its first octets: A's ``550 5.1.1`` is recorded
+    (a bounce, not a 4.5.0 retried for the whole queue lifetime), its text cut and marked;
+    the rest of the line, arriving in pieces, is dropped, and B's ``250`` after it is read
+    in sync: B is delivered."""
+    host = "127.0.2.233"
+    port = shared_port([host])
+    long = "550 5.1.1 no such user " + "x" * (3 * MAX_LINE_OCTETS)
+    async with ScriptedMx(host, port, rcpt_replies={A: long}, trickle=4096) as mx:
+        result = await deliver(
+            target("mx.p.example.test", host),
+            envelope(A, B),
+            body(),
+            settings_for(port, pipelining=pipelining),
+        )
+    reply = result.replies[A]
+    assert (reply.code, reply.enhanced) == (550, "5.1.1"), str(reply)[:120]
+    assert reply.text.startswith("no such user xxx")
+    assert reply.text.endswith(CUT_MARK.decode()) and len(reply.text) < MAX_LINE_OCTETS
+    assert result.failed == [A] and result.delivered == [B]
+    assert [t.rcpt_to for t in mx.delivered] == [[B]]
+    assert mx.pieces > 3 * MAX_LINE_OCTETS // 4096
+
+
 # --- the reply parser ---------------------------------------------------------------------
 
 
@@ -452,6 +526,70 @@ def test_parser_refuses_what_is_no_reply(data: bytes) -> None:
     parser.feed(data)
     with pytest.raises(MalformedReply):
         parser.next_reply()
+
+
+def test_parser_cuts_an_overlong_line_and_keeps_its_code() -> None:
+    """RFC 5321 §4.5.3.1.5: a line over MAX_LINE_OCTETS keeps its code, enhanced code and
+    the start of its text, marked with CUT_MARK, however it is split; the reply after it
+    is read in sync."""
+    line = b"550 5.1.1 " + b"x" * (2 * MAX_LINE_OCTETS) + b"\r\n"
+    stream = line + b"250 2.1.5 ok\r\n"
+    for size in (1, 1000, MAX_LINE_OCTETS, len(stream)):
+        parser = ReplyParser()
+        got = []
+        for start in range(0, len(stream), size):
+            parser.feed(stream[start : start + size])
+            while (r := parser.next_reply()) is not None:
+                got.append(r)
+        assert [r.code for r in got] == [550, 250], size
+        text = got[0].message
+        assert text.startswith("5.1.1 xxx") and text.endswith(CUT_MARK.decode())
+        assert len(text) == MAX_LINE_OCTETS - 1 - 4 + len(CUT_MARK)
+        assert parser.pending() == b""
+
+
+def test_parser_takes_a_line_of_exactly_max_line_octets_whole() -> None:
+    line = b"250 " + b"y" * (MAX_LINE_OCTETS - 6) + b"\r\n"
+    assert len(line) == MAX_LINE_OCTETS
+    parser = ReplyParser()
+    parser.feed(line)
+    reply = parser.next_reply()
+    assert reply is not None and reply.message == "y" * (MAX_LINE_OCTETS - 6)
+
+
+def test_parser_drops_lines_beyond_max_reply_octets_and_keeps_the_code() -> None:
+    """A multi-line reply with more than MAX_REPLY_OCTETS of text: the code and the first
+    lines are kept, the further lines dropped and counted (as Postfix caps a reply)."""
+    lines = [b"550-5.7.1 " + bytes([ord("a") + i]) * 8000 for i in range(5)]
+    parser = ReplyParser()
+    parser.feed(b"\r\n".join(lines) + b"\r\n550 5.7.1 last\r\n")
+    reply = parser.next_reply()
+    assert reply is not None and reply.code == 550
+    texts = reply.message.split("\n")
+    assert len(reply.message) <= MAX_REPLY_OCTETS + 100
+    assert texts[0].startswith("5.7.1 aaa") and texts[-1] == "[2 more line(s) dropped]"
+    assert parser.pending() == b""
+
+
+def test_parser_memory_stays_bounded_for_an_endless_line() -> None:
+    """A server that streams one reply line without end: the parser keeps its first
+    MAX_LINE_OCTETS octets only (the command's timeout ends the wait)."""
+    chunk = b"x" * 65536
+    parser = ReplyParser()
+    parser.feed(b"550 5.1.1 ")
+    tracemalloc.start()
+    try:
+        for _ in range(256):  # 16 MiB
+            parser.feed(chunk)
+            assert parser.next_reply() is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(chunk)
+    assert len(parser.pending()) == MAX_LINE_OCTETS
+    parser.feed(b"\r\n")
+    reply = parser.next_reply()
+    assert reply is not None and reply.code == 550 and reply.message.endswith(CUT_MARK.decode())
 
 
 # --- end to end ---------------------------------------------------------------------------

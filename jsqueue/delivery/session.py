@@ -147,7 +147,7 @@ class OutboundSession:
         if isinstance(exc, ssl.SSLError):
             return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
         if isinstance(exc, aiosmtplib.SMTPResponseException):
-            if exc.code < 0:  # aiosmtplib could not parse the reply (e.g. CASE-19 variant M)
+            if exc.code < 0:  # a malformed reply (sync.GuardedProtocol; CASE-19 variant M)
                 return Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
             return Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
         if isinstance(exc, aiosmtplib.SMTPException | ValueError):

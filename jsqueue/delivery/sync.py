@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import aiosmtplib
-from aiosmtplib import SMTPResponse
+from aiosmtplib import SMTPResponse, SMTPStatus
 from aiosmtplib.protocol import SMTPProtocol
 
+from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
 from jsqueue.replies import Reply
 
 __all__ = ["STRAY_KEEP_OCTETS", "Desync", "GuardedProtocol", "GuardedSMTP", "Tap", "check_sync"]
@@ -60,9 +61,19 @@ class Tap(Protocol):
 
 class GuardedProtocol(SMTPProtocol):
     """aiosmtplib's protocol, also keeping data received while no reply is awaited (which
-    aiosmtplib drops) so that :func:`check_sync` can see it. Reads aiosmtplib's private
-    ``_buffer``, ``_response_waiter`` and ``_response_pending`` (checked by a test). While
-    :attr:`tap` is set, every octet goes to it instead (aiosmtplib reads nothing)."""
+    aiosmtplib drops) so that :func:`check_sync` can see it, and reading replies with
+    :class:`~jsqueue.delivery.replyparser.ReplyParser`, the pipelined group's parser,
+    instead of aiosmtplib's: a reply whose lines disagree on the code, or whose code is not
+    followed by SP, ``-`` or the end of the line, is a protocol error on both paths (RFC
+    5321 §4.2, §4.2.1; aiosmtplib takes the last line's code and any three digits), and an
+    overlong line keeps its code (RFC 5321 §4.5.3.1.5). A malformed reply fails the read
+    with ``SMTPResponseException(-1, …)``, aiosmtplib's code for an unparsable reply.
+
+    What follows a complete reply stays in aiosmtplib's ``_buffer``, as aiosmtplib leaves
+    it (its STARTTLS discards it there, RFC 3207 §4.2). Reads aiosmtplib's private
+    ``_buffer``, ``_response_waiter``, ``_response_pending`` and
+    ``_set_response_exception`` (checked by a test). While :attr:`tap` is set, every octet
+    goes to it instead (aiosmtplib reads nothing)."""
 
     def __init__(
         self,
@@ -72,6 +83,7 @@ class GuardedProtocol(SMTPProtocol):
         super().__init__(loop=loop, connection_lost_callback=connection_lost_callback)
         self.stray = bytearray()
         self.tap: Tap | None = None
+        self._parser = ReplyParser()  # the reply being read
 
     def eof_received(self) -> bool:
         if self.tap is not None:
@@ -88,11 +100,28 @@ class GuardedProtocol(SMTPProtocol):
             self.tap.feed(data)
             return
         waiter = self._response_waiter
-        if waiter is not None and (not self._response_pending or waiter.done()):
+        if waiter is None:  # the connection is gone (aiosmtplib drops the data too)
+            return
+        if not self._response_pending or waiter.done():
             room = STRAY_KEEP_OCTETS - len(self.stray)
             self.stray += data[: max(room, 1)]
             return
-        super().data_received(data)
+        parser = self._parser
+        if self._buffer:  # left after the previous reply: read first, as aiosmtplib does
+            parser.feed(bytes(self._buffer))
+            del self._buffer[:]
+        parser.feed(data)
+        try:
+            response = parser.next_reply()
+        except MalformedReply as e:
+            error = aiosmtplib.SMTPResponseException(SMTPStatus.invalid_response.value, str(e))
+            self._set_response_exception(waiter, error)
+        else:
+            if response is None:
+                return
+            waiter.set_result(response)
+        self._buffer += parser.pending()
+        self._parser = ReplyParser()
 
     def unread(self) -> bytes:
         """Data received and not part of any reply read so far (empty when in sync)."""
