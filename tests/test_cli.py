@@ -318,6 +318,33 @@ async def test_bulk_action_reads_ids_from_standard_input(
         await stores.close()
 
 
+def test_what_remote_parties_wrote_reaches_the_terminal_escaped() -> None:
+    """The EHLO name, reply texts and event details come from remote clients and servers
+    (an entry stored before names were cleaned at ingest may hold anything): ``queue show``,
+    ``queue ls`` and ``events tail`` print their control characters escaped (no ESC, BEL,
+    CR or C1 control reaches the terminal; a title, cursor or clipboard sequence is shown,
+    not obeyed), and an undecodable octet does not make the print fail."""
+    from jsqueue.cli.render import render_detail, render_entry_lines, render_event
+    from jsqueue.store.base import Versioned
+
+    hostile = "\x1b]0;pwned\x07\x1b[2J\r\x9b\udcff"
+    entry = make_entry(new_queue_id()).model_copy(
+        update={"helo": f"evil{hostile}.example", "last_error": f"boom{hostile}"}
+    )
+    detail = EntryDetail.of_versioned(Versioned(entry, 1))
+    event = Event(kind=EventKind.HELD, queue_id=entry.id, detail=f"why{hostile}")
+    lines = [
+        *render_detail(detail),
+        *render_entry_lines(EntrySummary.of(entry)),
+        render_event(event),
+    ]
+    text = "\n".join(lines)
+    assert not any(c in text for c in "\x1b\x07\r\x9b\udcff")
+    assert "helo evil\\x1b]0;pwned\\x07\\x1b[2J\\r\\x9b\\udcff.example" in text
+    assert "why\\x1b]0;pwned" in render_event(event)
+    text.encode("utf-8")  # printable as it is
+
+
 async def test_version() -> None:
     run = await jsqueue("--version", env=cli_env())
     assert run.code == 0 and run.out.strip() == f"jsqueue {importlib.metadata.version('jsqueue')}"

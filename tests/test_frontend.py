@@ -192,6 +192,33 @@ async def test_helo_session_uses_plain_smtp(mem: Stores) -> None:
         assert b" with SMTP id " in split_body(await read_body(mem, entry.id))[0]
 
 
+@pytest.mark.parametrize(
+    ("argument", "stored"),
+    [
+        (b"\xff\xfe.example", "??.example"),  # not UTF-8
+        (b"\x1b]0;pwned\x07evil.example", "?]0;pwned?evil.example"),  # a terminal escape
+        ("caf\u00e9.example".encode(), "caf\u00e9.example"),  # UTF-8 is kept
+    ],
+)
+async def test_any_ehlo_argument_is_stored_safely(
+    mem: Stores, argument: bytes, stored: str
+) -> None:
+    """RFC 5321 §4.1.1.1 wants a domain or address literal after EHLO, and clients send
+    anything: octets that are not UTF-8, control characters. Neither may make the entry
+    unstorable (every message of the session would get 451 for ever) nor reach an
+    operator's terminal raw: the message is queued, its entry keeps the argument with
+    those characters as ``?``."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect(b"EHLO " + argument, 250)
+        reply = await w.transaction(
+            "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE), ehlo=False
+        )
+        assert reply.code == 250, reply
+        entry = (await entries_of(mem))[0]
+        assert entry.helo == stored
+
+
 async def test_pipelined_transaction_gets_replies_in_order(mem: Stores) -> None:
     """RFC 2920 §3.1: a pipelined group is answered in order, and commands sent right after
     the terminator (in the same packet) are executed after the DATA reply."""

@@ -1,17 +1,36 @@
 """Text renderers of the CLI: the ``mailq``-style listing, ``queue show``, ``queue stats``,
 action results and event lines, each from the models the queue operations return
 (:mod:`jsqueue.views`, :class:`jsqueue.events.Event`). Pure: models in, lines of text out;
-times are printed as ``YYYY-MM-DD HH:MM:SS`` UTC, sizes in octets.
+times are printed as ``YYYY-MM-DD HH:MM:SS`` UTC, sizes in octets. Every line is safe for a
+terminal: much of what is shown came from remote clients and servers (the EHLO name, reply
+texts, addresses), so control characters are shown escaped, never written raw
+(:func:`terminal_safe`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import datetime
 
 from jsqueue.envelope import EntryState
 from jsqueue.events import Event, EventKind
 from jsqueue.views import ActionResult, BulkResult, EntryDetail, EntrySummary, QueueStats
+
+#: C0 controls (tab aside), DEL, C1 controls and lone surrogates (undecodable octets).
+_UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every character a terminal would act on (ESC sequences, CR, BEL, C1
+    controls) or cannot print (a lone surrogate) as a visible escape (``\\x1b``,
+    ``\\udcff``): a remote party cannot set a title, move the cursor or write a clipboard
+    through ``queue show``. Pure."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def _safe(lines: list[str]) -> list[str]:
+    return [terminal_safe(line) for line in lines]
 
 
 def _ts(value: datetime | None) -> str:
@@ -56,7 +75,7 @@ def render_entry_lines(e: EntrySummary) -> list[str]:
         lines.append(f"{'':>58}  {r.address}  [{info}]")
         if r.last_reply is not None:
             lines.append(f"{'':>60}({r.last_reply})")
-    return lines
+    return _safe(lines)
 
 
 def render_detail(d: EntryDetail) -> list[str]:
@@ -95,7 +114,7 @@ def render_detail(d: EntryDetail) -> list[str]:
             lines.append(f"      reply:   {r.last_reply} (from {host})")
             if r.last_reply.tls is not None:
                 lines.append(f"      tls:     {r.last_reply.tls}")
-    return lines
+    return _safe(lines)
 
 
 def render_stats(s: QueueStats, top: int = 20) -> list[str]:
@@ -128,12 +147,13 @@ def render_stats(s: QueueStats, top: int = 20) -> list[str]:
         if len(s.by_domain) > top:
             lines.append(f"  ... {len(s.by_domain) - top} more")
     lines.append(f"(scanned in {s.took_s:.2f} s)")
-    return lines
+    return _safe(lines)
 
 
 def render_result(r: ActionResult) -> str:
     """One action result as ``<queue id>: <action> <outcome>[: <detail>]``."""
-    return f"{r.queue_id}: {r.action.value} {r.outcome.value}{': ' + r.detail if r.detail else ''}"
+    detail = f": {r.detail}" if r.detail else ""
+    return terminal_safe(f"{r.queue_id}: {r.action.value} {r.outcome.value}{detail}")
 
 
 def render_counts(b: BulkResult) -> str:
@@ -167,4 +187,4 @@ def render_event(e: Event) -> str:
         parts.append(e.detail)
     if e.source:
         parts.append(f"by {e.source}")
-    return " ".join(parts)
+    return terminal_safe(" ".join(parts))

@@ -25,6 +25,20 @@ def _sanitize_comment(text: str) -> str:
     return "".join(c if " " <= c <= "~" and c not in "()\\" else "?" for c in text[:100])
 
 
+#: Characters of an EHLO argument not kept in the entry: controls, DEL, C1 controls, and
+#: the lone surrogates that stand for octets that are not UTF-8.
+_HELO_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def stored_helo(helo: str) -> str:
+    """The client's EHLO/HELO argument as its entry keeps it: what the client sent (RFC
+    5321 §4.1.1.1 asks for a domain or address literal, but clients send anything), at
+    most 255 characters, with each control character and each octet that is not UTF-8 as
+    ``?``. The entry is JSON (a lone surrogate cannot be stored: every message of such a
+    session would be refused 451), and operators read it on terminals. Pure."""
+    return _HELO_UNSAFE.sub("?", helo[:255])
+
+
 def _ip_literal(ip: str) -> str:
     return f"[IPv6:{ip}]" if ":" in ip else f"[{ip}]"
 

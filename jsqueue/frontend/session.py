@@ -26,7 +26,7 @@ from aiosmtpd.smtp import SMTP, Envelope, syntax
 from jsqueue.envelope import Recipient, utcnow
 from jsqueue.frontend.data import DataDecoder
 from jsqueue.frontend.ingest import NotQueued, Submission
-from jsqueue.frontend.received import protocol_keyword, received_header
+from jsqueue.frontend.received import protocol_keyword, received_header, stored_helo
 from jsqueue.frontend.syntax import (
     SyntaxProblem,
     parse_envid,
@@ -665,7 +665,7 @@ class InboundSession(SMTP):
             ret=txn.ret,
             envid=txn.envid,
             smtputf8=txn.smtputf8,
-            helo=self.session.host_name if self.session else None,
+            helo=stored_helo(helo) if (helo := self.session and self.session.host_name) else None,
             client_address=str(self._ip) if self._ip else None,
             auth_user=self._auth_user,
             eight_bit=decoder.eight_bit or not received.isascii(),
