@@ -461,25 +461,14 @@ class Worker:
             break
         else:
             # Not even the recipients' states fit: log what the attempt did, hold.
-            now = self.clock()
-            _, recorded = state.record(
-                held.version.entry, item.domain, delivery.replies, now, self.policy, self.rng
-            )
-            log_attempt(
-                self.observer,
-                self._source,
-                held.version.entry,
-                item.domain,
-                recorded,
-                started,
-                now,
-                delivery,
-                events=False,
-            )
+            self._log_unrecorded(held.version.entry, item.domain, delivery, started, False)
             await self._hold(due, held.version, refused)
             return
         if outcome is None:
+            # Deleted meanwhile (an operator's delete while the MX was answering): what the
+            # attempt did is still logged and told, a delivery above all (it happened).
             log.info("queue %s: deleted during delivery", item.queue_id)
+            self._log_unrecorded(held.version.entry, item.domain, delivery, started, True)
             await due.ack()
             return
         v, recorded, removed, now = outcome
@@ -502,6 +491,15 @@ class Worker:
             await due.ack()
         else:
             await due.retry(recorded.retry_delay_s)
+
+    def _log_unrecorded(
+        self, entry: Entry, domain: str, delivery: Attempt, started: datetime, events: bool
+    ) -> None:
+        """Log lines (and with ``events`` events) of an attempt not recorded in ``entry``
+        (deleted meanwhile, or too large to store)."""
+        now, o = self.clock(), self.observer
+        _, done = state.record(entry, domain, delivery.replies, now, self._policy(entry), self.rng)
+        log_attempt(o, self._source, entry, domain, done, started, now, delivery, events=events)
 
     async def _record(
         self, start: Versioned, domain: str, delivery: Attempt, octets: int, turn: cas.Turn

@@ -8,6 +8,7 @@ is in the middle of a delivery, then check that neither side's update was lost.
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import timedelta
 
 import pytest
@@ -99,6 +100,32 @@ async def test_flush_delivers_a_message_deferred_for_hours_once(queue_harness: H
         assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
         assert events.kinds() == [EventKind.FLUSHED]
         assert events.events[0].queue_id == qid
+
+
+async def test_delete_while_the_mx_answers_the_data_still_logs_the_delivery(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator deletes the message while the worker waits for the reply to the final
+    dot; the MX then accepts it. The entry is gone, so nothing is recorded in it, but the
+    delivery happened: its per-recipient log line and its ``delivered`` event are still
+    written (RFC 5321 §6.1: responsibility passed to the MX), after the ``deleted``."""
+    h = queue_harness
+    h.dns.add(DEST_ZONE)
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+    gate = asyncio.Event()
+    events = Collect()
+    async with ScriptedMx("127.0.2.20", h.mx_port, hold=gate) as mx:
+        qid = await h.submit(MESSAGE, [RCPT])
+        worker = h.worker(observer=events)
+        async with h.running(worker):
+            await eventually(lambda: mx.held >= 1, timeout_s=15, what="the final-reply wait")
+            assert (await Admin(h.stores).delete(qid)).outcome is Outcome.DONE
+            gate.set()
+            await eventually(lambda: worker.handled == 1, timeout_s=15, what="attempt done")
+    assert len(mx.delivered) == 1
+    delivered = [e for e in events.events if e.kind is EventKind.DELIVERED]
+    assert [(e.queue_id, e.recipient) for e in delivered] == [(qid, RCPT)]
+    assert f"queue={qid} to=<{RCPT}>" in caplog.text and "outcome=delivered" in caplog.text
 
 
 async def test_hold_while_delivering_loses_no_update(queue_harness: Harness) -> None:
