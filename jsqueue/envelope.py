@@ -116,6 +116,11 @@ class Recipient(BaseModel):
     ``domain`` is the routing domain: the A-label, lower-case form used for MX lookup,
     subjects and keys. ``orcpt`` and ``notify`` are the RFC 3461 §4.2 / §4.1 parameters
     (``notify`` None means the default, FAILURE[,DELAY] at the MTA's discretion).
+
+    ``next_hop_dsn``: the recipient was delivered to a next hop that advertised DSN, with
+    the NOTIFY/ORCPT parameters passed on in its RCPT; reporting its success is that hop's
+    business, jsqueue sends no success DSN for it (RFC 3461 §5.2.1, §6.2.1). Left out of the
+    stored form when False, so entries written before it existed load unchanged.
     """
 
     address: str
@@ -129,6 +134,7 @@ class Recipient(BaseModel):
     last_reply: Reply | None = None
     delay_notified_at: UTCDateTime | None = None
     dsn_sent: bool = False
+    next_hop_dsn: bool = Field(False, exclude_if=lambda v: not v)
 
     @field_serializer("notify")
     def _notify_sorted(self, notify: frozenset[Notify] | None) -> list[str] | None:

@@ -12,7 +12,7 @@ compare-and-set is safe: each function only looks at the entry it is given.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -258,6 +258,7 @@ def record(
     *,
     reply_octets: int = replies.STORED_REPLY_OCTETS,
     dkim: str | None = None,
+    next_hop_dsn: Collection[str] = frozenset(),
 ) -> tuple[Entry, Recorded]:
     """Apply one attempt's per-recipient replies to the open recipients of ``domain``.
 
@@ -280,6 +281,10 @@ def record(
         rng: jitter source of ``policy``.
         reply_octets: the longest reply text kept per recipient, octets.
         dkim: the attempt's DKIM signing (kept as ``Entry.dkim`` when not None).
+        next_hop_dsn: addresses the next hop accepted after advertising DSN, the
+            NOTIFY/ORCPT parameters passed on: a delivered one is marked
+            :attr:`~jsqueue.envelope.Recipient.next_hop_dsn`, so it gets no success DSN
+            (RFC 3461 §5.2.1, §6.2.1).
 
     Returns:
         the new entry (lease on ``domain`` dropped) and a summary; ``retry_delay_s`` is the
@@ -298,6 +303,7 @@ def record(
         r.last_reply = reply.bounded(reply_octets)
         if reply.is_success:
             r.state, r.next_attempt_at = RecipientState.DELIVERED, None
+            r.next_hop_dsn = r.address in next_hop_dsn
             done.delivered.append(r)
         elif reply.is_permanent:
             r.state, r.next_attempt_at = final_fail, None

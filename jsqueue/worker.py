@@ -498,7 +498,10 @@ class Worker:
         """Log lines (and with ``events`` events) of an attempt not recorded in ``entry``
         (deleted meanwhile, or too large to store)."""
         now, o = self.clock(), self.observer
-        _, done = state.record(entry, domain, delivery.replies, now, self._policy(entry), self.rng)
+        policy, hop_dsn = self._policy(entry), delivery.next_hop_dsn
+        _, done = state.record(
+            entry, domain, delivery.replies, now, policy, self.rng, next_hop_dsn=hop_dsn
+        )
         log_attempt(o, self._source, entry, domain, done, started, now, delivery, events=events)
 
     async def _record(
@@ -530,6 +533,7 @@ class Worker:
                 self.rng,
                 reply_octets=octets,
                 dkim=delivery.dkim,
+                next_hop_dsn=delivery.next_hop_dsn,
             )
             try:
                 if self._removable(new, now):

@@ -11,7 +11,7 @@ from test_worker import SENDER_ZONE, dsn_parts, gone
 
 from jsqueue.envelope import RecipientState
 from support.cases import case_message, case_text
-from support.mx import SmtpdMx
+from support.mx import ScriptedMx, SmtpdMx
 from support.queue import Harness, eventually
 
 SRC_ZONE = """
@@ -222,6 +222,54 @@ async def test_notify_and_delay_warning(queue_harness: Harness) -> None:
     assert str(delayed["Status"]).startswith("4.")
     assert delayed["Will-Retry-Until"]
     assert len(mx.delivered) == 1
+
+
+async def test_no_success_dsn_when_the_next_hop_takes_notify(queue_harness: Harness) -> None:
+    """RFC 3461 §5.2.1, §6.2.1: NOTIFY=SUCCESS and ORCPT passed on in RCPT to a next hop
+    that advertises DSN hand the duty to report success to it: jsqueue sends no success DSN
+    (neither delivered nor relayed). The same message to a next hop without DSN gets the
+    one "relayed" DSN (RFC 3461 §5.2.2)."""
+    h = queue_harness
+    h.dns.add(
+        SENDER_ZONE
+        + "dsn.example.test. 300 IN MX 10 mx.dsn.example.test.\n"
+        + "mx.dsn.example.test. 300 IN A 127.0.2.63\n"
+        + "plain.example.test. 300 IN MX 10 mx.plain.example.test.\n"
+        + "mx.plain.example.test. 300 IN A 127.0.2.64\n"
+    )
+    dsn_ext = ("PIPELINING", "8BITMIME", "ENHANCEDSTATUSCODES", "SIZE 52428800", "DSN")
+    async with (
+        ScriptedMx("127.0.2.63", h.mx_port, extensions=dsn_ext) as dsn_mx,
+        SmtpdMx("127.0.2.64", h.mx_port) as plain_mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        taken = await h.submit(
+            case_message("CASE-07"),
+            ["ok@dsn.example.test"],
+            rcpt_options=["NOTIFY=SUCCESS", "ORCPT=rfc822;ok@dsn.example.test"],
+        )
+        relayed = await h.submit(
+            case_message("CASE-07"),
+            ["ok@plain.example.test"],
+            rcpt_options=["NOTIFY=SUCCESS", "ORCPT=rfc822;ok@plain.example.test"],
+        )
+        async with h.running():
+            await eventually(lambda: gone(h, taken), what="the DSN hop's message removed")
+            await eventually(lambda: gone(h, relayed), what="the plain hop's message removed")
+            await eventually(lambda: len(sender_mx.delivered) >= 1, what="the relayed DSN")
+        rcpt = [c for c in dsn_mx.commands if c.upper().startswith("RCPT")]
+        assert len(rcpt) == 1 and "NOTIFY=SUCCESS" in rcpt[0], rcpt
+        assert "ORCPT=rfc822;ok@dsn.example.test" in rcpt[0], rcpt
+        assert len(plain_mx.delivered) == 1
+    # Removal comes after every DSN an entry owes is enqueued, and DSN entries are kept:
+    # the one DSN entry is the whole story.
+    dsns = [v.entry for v in await h.stores.entries.page(limit=10) if v.entry.is_dsn]
+    assert len(dsns) == 1, [e.id for e in dsns]
+    assert len(sender_mx.delivered) == 1
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert [(str(g["Final-Recipient"]), str(g["Action"])) for g in groups] == [
+        ("rfc822; ok@plain.example.test", "relayed")
+    ]
 
 
 async def test_undeliverable_dsn_expires_and_copies_postmaster(queue_harness: Harness) -> None:

@@ -648,20 +648,23 @@ def test_delay_dsn_fields() -> None:
 
 
 def test_success_dsn_relayed_and_not_when_next_hop_reports() -> None:
-    """RFC 3461 §5.2.1/§5.2.2: NOTIFY=SUCCESS gives a relayed DSN (2.x.x) when the next hop had
-    no DSN support, none when it took NOTIFY over."""
+    """RFC 3461 §5.2.1/§5.2.2, §6.2.1: NOTIFY=SUCCESS gives a relayed DSN (2.x.x) when the
+    next hop had no DSN support, none for a recipient whose next hop took NOTIFY over
+    (``next_hop_dsn``), decided per recipient."""
     ok = Reply(code=250, enhanced="2.0.0", text="ok", remote_host="mx.ok.example.test")
+    success = frozenset({N.SUCCESS})
     e = entry(
         [
-            recipient(
-                "a@ok.example.test", RecipientState.DELIVERED, ok, notify=frozenset({N.SUCCESS})
-            ),
+            recipient("a@ok.example.test", RecipientState.DELIVERED, ok, notify=success),
             recipient("b@ok.example.test", RecipientState.DELIVERED, ok),
+            recipient("c@ok.example.test", RecipientState.DELIVERED, ok, notify=success),
         ]
     )
-    assert recipients_to_report(e, DsnEvent.SUCCESS, next_hop_dsn=True) == []
+    e.recipients[2].next_hop_dsn = True
     chosen = recipients_to_report(e, DsnEvent.SUCCESS)
     assert [r.address for r in chosen] == ["a@ok.example.test"]
+    e.recipients[0].next_hop_dsn = True
+    assert recipients_to_report(e, DsnEvent.SUCCESS) == []
     assert action_for(DsnEvent.SUCCESS) is Action.RELAYED
     data = build_dsn(
         e, chosen, Action.RELAYED, reporting_mta=MTA, now=ATTEMPT, original=CASE22_MESSAGE

@@ -91,6 +91,25 @@ def test_an_entry_without_a_request_digest_stores_no_such_field() -> None:
     assert Entry.from_json(entry.to_json()).request_digest is None
 
 
+def test_next_hop_dsn_is_stored_only_when_set_and_old_entries_load() -> None:
+    """RFC 3461 §5.2.1: ``Recipient.next_hop_dsn`` (the next hop took NOTIFY/ORCPT and
+    reports success itself) round-trips when True, is left out of the stored form when
+    False, and an entry stored before the field existed loads with it False."""
+    entry = entry_with(RecipientState.DELIVERED, RecipientState.DELIVERED)
+    assert b"next_hop_dsn" not in entry.to_json()
+    entry.recipients[0].next_hop_dsn = True
+    data = entry.to_json()
+    assert data.count(b'"next_hop_dsn":true') == 1
+    again = Entry.from_json(data)
+    assert [r.next_hop_dsn for r in again.recipients] == [True, False]
+    old = (
+        b'{"id":"01jq0000000000000000000000","reverse_path":"a@example.org","recipients":'
+        b'[{"address":"r@example.com","domain":"example.com","state":"delivered",'
+        b'"attempts":1,"dsn_sent":false}],"created_at":"2026-01-02T03:04:05Z","size":1}'
+    )
+    assert Entry.from_json(old).recipients[0].next_hop_dsn is False
+
+
 @pytest.mark.parametrize(
     "body",
     [b"", b"Subject: x\r\n\r\nline\r\n", b'\n\n{"id": 1}\n', bytes(range(256)) * 40],

@@ -260,6 +260,7 @@ async def test_same_commands_and_parameters_with_and_without_pipelining() -> Non
                 settings_for(port, pipelining=pipelining),
             )
         assert sorted(result.delivered) == sorted(r.address for r in rcpts)
+        assert result.dsn_accepted == {r.address for r in rcpts}  # RFC 3461 §5.2.1
         sent[pipelining] = mx.commands
     assert sent[True] == sent[False]
     mail = next(c for c in sent[True] if c.startswith("MAIL"))

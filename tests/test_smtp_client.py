@@ -571,7 +571,8 @@ async def test_size_limits() -> None:
 
 async def test_null_reverse_path_and_dsn_parameters() -> None:
     """RFC 5321 §4.5.5 and RFC 3461 §4: the null reverse-path is exactly ``MAIL FROM:<>``;
-    RET/ENVID/NOTIFY/ORCPT are passed (xtext) only to a server advertising DSN."""
+    RET/ENVID/NOTIFY/ORCPT are passed (xtext) only to a server advertising DSN, and only
+    the recipients it accepted are its to report (RFC 3461 §5.2.1)."""
     host = "127.0.2.80"
     port = shared_port([host])
     body = BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n")
@@ -588,6 +589,7 @@ async def test_null_reverse_path_and_dsn_parameters() -> None:
     async with ScriptedMx(host, port, extensions=["DSN", "SIZE"]) as dsn_mx:
         with_dsn = await deliver(mxs, env, body, s)
     assert with_dsn.delivered == ["bob@dsn.example.test"] and with_dsn.dsn
+    assert with_dsn.dsn_accepted == {"bob@dsn.example.test"}  # it reports, RFC 3461 §5.2.1
     assert commands(dsn_mx, "MAIL") == [f"MAIL FROM:<> SIZE={body.size} RET=HDRS ENVID=id+201+2B2"]
     assert commands(dsn_mx, "RCPT") == [
         "RCPT TO:<bob@dsn.example.test> NOTIFY=SUCCESS,FAILURE"
@@ -597,6 +599,7 @@ async def test_null_reverse_path_and_dsn_parameters() -> None:
     async with ScriptedMx(host, port, extensions=[]) as plain_mx:
         without = await deliver(mxs, env, body, s)
     assert without.delivered == ["bob@dsn.example.test"] and not without.dsn
+    assert without.dsn_accepted == frozenset()  # jsqueue owes "relayed", RFC 3461 §5.2.2
     assert commands(plain_mx, "MAIL") == ["MAIL FROM:<>"]
     assert commands(plain_mx, "RCPT") == ["RCPT TO:<bob@dsn.example.test>"]
 

@@ -131,6 +131,24 @@ def test_mixed_replies_give_per_recipient_states() -> None:
     assert done.recipients[1].attempts == 2
 
 
+def test_record_marks_recipients_a_dsn_capable_next_hop_took() -> None:
+    """RFC 3461 §5.2.1, §6.2.1: a recipient accepted by a next hop that advertised DSN (its
+    NOTIFY/ORCPT passed on) is recorded ``next_hop_dsn``; one accepted elsewhere or not
+    accepted is not."""
+    e = make_entry("a@mixed.example.test", "b@mixed.example.test", "c@mixed.example.test")
+    e = claim(e, "mixed.example.test", "w1", T0, 600)
+    outcomes = {
+        "a@mixed.example.test": reply(250, "2.0.0"),
+        "b@mixed.example.test": reply(250, "2.0.0"),
+        "c@mixed.example.test": reply(450, "4.2.1"),
+    }
+    took = frozenset({"a@mixed.example.test", "c@mixed.example.test"})
+    new, _ = record(
+        e, "mixed.example.test", outcomes, T0, POLICY, random.Random(1), next_hop_dsn=took
+    )
+    assert [r.next_hop_dsn for r in new.recipients] == [True, False, False]
+
+
 def test_missing_reply_counts_as_temporary() -> None:
     """A recipient the attempt gave no reply for is retried, never dropped."""
     e = make_entry("a@mixed.example.test")

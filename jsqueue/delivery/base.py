@@ -97,6 +97,10 @@ class DeliveryResult:
         tls_version: e.g. ``"TLSv1.3"`` when ``tls``.
         dsn: the server advertised DSN, so NOTIFY/ORCPT/RET/ENVID were passed on (else a
             NOTIFY=SUCCESS recipient is owed a "relayed" DSN, RFC 3461 §4.1).
+        dsn_accepted: the addresses a server that advertised DSN accepted (2yz) with the
+            NOTIFY/ORCPT parameters passed on in their RCPT: that next hop now reports
+            their delivery, so no success DSN is owed for them (RFC 3461 §5.2.1, §6.2.1).
+            Per address, since recipients over a limit may go in a further session.
         converted_7bit: the body was converted to 7-bit MIME for this server.
         dkim: what was done about DKIM (RFC 6376) for the bytes sent: ``d=… s=… a=…``
             per signature of ours, ``unsigned: <why>``, a note when a 7-bit conversion may
@@ -114,6 +118,7 @@ class DeliveryResult:
     tls: bool = False
     tls_version: str | None = None
     dsn: bool = False
+    dsn_accepted: frozenset[str] = frozenset()
     converted_7bit: bool = False
     uncertain: frozenset[str] = frozenset()
     dkim: str | None = None
@@ -152,6 +157,10 @@ class Attempt:
         reached: the MX host whose server answered as far as MAIL (the session was up),
             None when none did (no address answered, TLS or the greeting failed, or no
             connection was tried): the destination limits count connection failures by it.
+        next_hop_dsn: addresses accepted by a next hop that advertised DSN, the NOTIFY and
+            ORCPT parameters passed on (see :attr:`DeliveryResult.dsn_accepted`): recorded
+            as :attr:`~jsqueue.envelope.Recipient.next_hop_dsn`, they get no success DSN
+            from jsqueue (RFC 3461 §5.2.1, §6.2.1).
     """
 
     replies: Mapping[str, Reply]
@@ -159,6 +168,7 @@ class Attempt:
     uncertain: frozenset[str] = frozenset()
     dkim: str | None = None
     reached: str | None = None
+    next_hop_dsn: frozenset[str] = frozenset()
 
 
 class Deliverer(Protocol):

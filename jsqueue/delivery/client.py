@@ -194,5 +194,6 @@ async def _rest(
             result,
             replies={**result.replies, **more.replies},
             uncertain=result.uncertain | more.uncertain,
+            dsn_accepted=result.dsn_accepted | more.dsn_accepted,
         )
     return result

@@ -99,6 +99,7 @@ class SmtpDeliverer:
             result.uncertain,
             dkim=result.dkim,
             reached=result.mx_host,
+            next_hop_dsn=result.dsn_accepted,
         )
 
     async def close(self) -> None:

@@ -131,6 +131,11 @@ class OutboundSession:
             tls=self.tls,
             tls_version=self.tls_version,
             dsn=self.dsn,
+            dsn_accepted=(
+                frozenset(a for a, r in replies.items() if r.is_success)
+                if self.dsn
+                else frozenset()
+            ),
             converted_7bit=self.converted,
             dkim=self.body.dkim(self.converted),
             uncertain=frozenset(self.uncertain),

@@ -100,7 +100,6 @@ def recipients_to_report(
     now: datetime | None = None,
     delay_warning_after_s: float | None = None,
     delay_warning_interval_s: float = 86400.0,
-    next_hop_dsn: bool = False,
 ) -> list[Recipient]:
     """Every recipient one DSN about ``event`` must list, in envelope order.
 
@@ -112,8 +111,10 @@ def recipients_to_report(
     * DELAY: recipients in state ``deferred``, when warnings are enabled
       (``delay_warning_after_s`` set), the entry is at least that old, and the recipient was
       not warned within ``delay_warning_interval_s`` (``delay_notified_at``).
-    * SUCCESS: recipients in state ``delivered``; none when ``next_hop_dsn`` (RFC 3461
-      §5.2.1: the next hop received NOTIFY/ORCPT and reports itself).
+    * SUCCESS: recipients in state ``delivered``, except those delivered to a next hop
+      that advertised DSN and received their NOTIFY/ORCPT (``next_hop_dsn``): it reports
+      their success itself (RFC 3461 §5.2.1, §6.2.1), so neither ``delivered`` nor
+      ``relayed`` comes from jsqueue.
 
     Args:
         entry: the queue entry, with the outcomes already recorded.
@@ -122,8 +123,6 @@ def recipients_to_report(
         delay_warning_after_s: age of the entry, seconds, before the first delay warning;
             None disables delay warnings (``DsnSettings.delay_warning_after_s``).
         delay_warning_interval_s: seconds between repeated warnings for one recipient.
-        next_hop_dsn: the next hop advertised DSN and the NOTIFY/ORCPT parameters were
-            passed on to it (SUCCESS only).
 
     Returns:
         the recipients to list; empty when no DSN is to be sent.
@@ -132,8 +131,6 @@ def recipients_to_report(
         ValueError: DELAY with warnings enabled but ``now`` missing or naive.
     """
     if entry.reverse_path == "" or entry.is_dsn:
-        return []
-    if event is DsnEvent.SUCCESS and next_hop_dsn:
         return []
     warn_cutoff: datetime | None = None
     if event is DsnEvent.DELAY:
@@ -150,6 +147,8 @@ def recipients_to_report(
     for r in entry.recipients:
         if r.state not in states or r.dsn_sent or not wants_notice(r, event):
             continue
+        if event is DsnEvent.SUCCESS and r.next_hop_dsn:
+            continue
         if (
             warn_cutoff is not None
             and r.delay_notified_at is not None
@@ -164,7 +163,8 @@ def action_for(event: DsnEvent) -> Action:
     """The RFC 3464 §2.3.3 Action jsqueue reports for ``event``.
 
     FAILURE → failed, DELAY → delayed, SUCCESS → relayed (RFC 3461 §5.2.2: handed to a next
-    hop that does not support DSN; jsqueue never performs final delivery itself).
+    hop that does not support DSN; jsqueue never performs final delivery itself, and a
+    next hop that supports DSN reports success itself, see :func:`recipients_to_report`).
     """
     return _EVENT_ACTION[event]
 
