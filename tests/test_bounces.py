@@ -3,6 +3,7 @@ mail through the real front end, real workers, a real nats-server, scripted MXes
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import re
 from datetime import UTC, datetime
@@ -11,6 +12,7 @@ from test_worker import SENDER_ZONE, dsn_parts, gone
 
 from jsqueue.envelope import RecipientState
 from support.cases import case_message, case_text
+from support.frontend import split_body
 from support.mx import ScriptedMx, SmtpdMx
 from support.queue import Harness, eventually
 
@@ -270,6 +272,72 @@ async def test_no_success_dsn_when_the_next_hop_takes_notify(queue_harness: Harn
     assert [(str(g["Final-Recipient"]), str(g["Action"])) for g in groups] == [
         ("rfc822; ok@plain.example.test", "relayed")
     ]
+
+
+UTF8_ORIGINAL = (
+    "From: Jörg <joerg@example.test>\r\nTo: <no@intl.example.test>\r\n"
+    "Subject: Grüße aus Köln\r\nMIME-Version: 1.0\r\n"
+    "Content-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n"
+    "Schöne Grüße\r\n"
+).encode()
+PART_HEADER_ORIGINAL = (
+    "From: a@example.test\r\nTo: <no@intl.example.test>\r\nSubject: files\r\n"
+    "MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=b\r\n\r\n"
+    '--b\r\nContent-Type: text/plain; charset=utf-8; name="Grüße.txt"\r\n'
+    "Content-Transfer-Encoding: 8bit\r\n\r\nGrüße\r\n--b--\r\n"
+).encode()
+
+
+async def test_failure_dsn_returning_an_8bit_original_reaches_a_7bit_sender_mx(
+    queue_harness: Harness,
+) -> None:
+    """RFC 6532 §3.5 / §3.7, RFC 6152 §3, RFC 3461 §4.3: a failure DSN returning (RET=FULL)
+    an SMTPUTF8 original with UTF-8 headers, or an 8BITMIME one with a UTF-8 MIME part
+    header, goes to a sender MX without 8BITMIME and SMTPUTF8 as 7-bit MIME: the original
+    travels as message/global, base64-encoded, and decodes to the stored message. It is
+    not refused for its encoding (5.6.3) and dropped (RFC 5321 §4.5.5): the sender hears."""
+    h = queue_harness
+    h.dns.add(
+        SENDER_ZONE
+        + "intl.example.test. 300 IN MX 10 mx.intl.example.test.\n"
+        + "mx.intl.example.test. 300 IN A 127.0.2.65\n"
+    )
+    refused = {"no@intl.example.test": "550 5.1.1 no such user here"}
+    async with (
+        SmtpdMx("127.0.2.65", h.mx_port, smtputf8=True, rcpt_replies=refused),
+        SmtpdMx("127.0.2.1", h.mx_port, eight_bit=False) as sender_mx,
+    ):
+        utf8 = await h.submit(
+            UTF8_ORIGINAL,
+            ["no@intl.example.test"],
+            mail_options=["SMTPUTF8", "BODY=8BITMIME", "RET=FULL"],
+        )
+        parts = await h.submit(
+            PART_HEADER_ORIGINAL,
+            ["no@intl.example.test"],
+            mail_options=["BODY=8BITMIME", "RET=FULL"],
+        )
+        worker = h.worker()
+        async with h.running(worker):
+            await eventually(lambda: gone(h, utf8), what="the SMTPUTF8 original removed")
+            await eventually(lambda: gone(h, parts), what="the 8BITMIME original removed")
+            await eventually(lambda: len(sender_mx.delivered) == 2, what="both DSNs")
+        assert worker.notifier.dropped == 0  # type: ignore[attr-defined]
+    returned = set()
+    for tx in sender_mx.delivered:
+        assert tx.mail_from == "" and "BODY=8BITMIME" not in tx.mail_params
+        content = tx.content or b""
+        assert content.isascii()
+        dsn, groups = dsn_parts(content)
+        assert [(str(g["Action"]), str(g["Status"])) for g in groups] == [("failed", "5.1.1")]
+        [part] = [p for p in dsn.walk() if p.get_content_type() == "message/global"]
+        assert part["Content-Transfer-Encoding"] == "base64"
+        decoded = base64.b64decode(
+            content.split(b"Content-Transfer-Encoding: base64\r\n\r\n")[-1].split(b"\r\n--")[0]
+        )
+        _, message = split_body(decoded)  # after our Received: field
+        returned.add(message)
+    assert returned == {UTF8_ORIGINAL, PART_HEADER_ORIGINAL}
 
 
 async def test_undeliverable_dsn_expires_and_copies_postmaster(queue_harness: Harness) -> None:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import base64
 import email
 import email.policy
 import re
+from datetime import UTC, datetime
 from email.message import EmailMessage
 
 import pytest
@@ -13,7 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jsqueue.delivery.transform import ConversionError, DotStuffer, has_8bit_headers, to_7bit
+from jsqueue.dsn.report import Action, build_dsn
+from jsqueue.envelope import Entry, Recipient, RecipientState
+from jsqueue.replies import Reply
 from support.cases import CASES
+
+NOW = datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
 
 
 def stuff(chunks: list[bytes]) -> bytes:
@@ -176,3 +183,131 @@ def test_long_lines_are_reencoded_but_7bit_short_parts_untouched() -> None:
     assert parsed.get_payload(decode=True) == long_line.split(b"\r\n\r\n", 1)[1]
     plain = (CASES / "CASE-07" / "message.eml").read_bytes()
     assert to_7bit(plain) == plain
+
+
+def _returned(converted: bytes) -> EmailMessage:
+    """The third part (returned content) of a DSN."""
+    parsed = email.message_from_bytes(converted, policy=email.policy.default)
+    assert isinstance(parsed, EmailMessage)
+    return list(parsed.iter_parts())[2]
+
+
+def _dsn(original: bytes, ret: str = "FULL") -> bytes:
+    r = Recipient.from_address("bob@rej.example.test").model_copy(
+        update={
+            "state": RecipientState.BOUNCED,
+            "last_reply": Reply(code=550, enhanced="5.1.1", text="no", remote_host="mx.test"),
+        }
+    )
+    e = Entry(
+        id="01jq0000000000000000000000",
+        reverse_path="alice@example.test",
+        recipients=[r],
+        created_at=NOW,
+        size=len(original),
+        ret=ret,
+        smtputf8=True,
+        body_8bit=True,
+    )
+    return build_dsn(
+        e, [r], Action.FAILED, reporting_mta="relay.example.test", now=NOW, original=original
+    )
+
+
+def test_message_global_is_base64_encoded_whole() -> None:
+    """RFC 6532 §3.5: a message/global part (UTF-8 headers) may, unlike message/rfc822,
+    take a base64 Content-Transfer-Encoding: converted for a next hop without 8BITMIME it
+    is base64 and decodes to the enclosed message octet for octet; a 7-bit one is left."""
+    inner = "From: jörg@example.test\r\nSubject: Grüße\r\n\r\nGrüße\r\n".encode()
+    outer = (
+        b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary=b\r\n\r\n"
+        b"--b\r\nContent-Type: text/plain\r\n\r\nsee attached\r\n"
+        b"--b\r\nContent-Type: message/global\r\nContent-Transfer-Encoding: 8bit\r\n\r\n"
+        + inner
+        + b"--b--\r\n"
+    )
+    converted = to_7bit(outer)
+    assert converted.isascii() and b"\n" not in converted.replace(b"\r\n", b"")
+    parsed = email.message_from_bytes(converted, policy=email.policy.default)
+    assert isinstance(parsed, EmailMessage)
+    _, attached = parsed.iter_parts()
+    assert attached.get_content_type() == "message/global"
+    assert attached["Content-Transfer-Encoding"] == "base64"
+    encoded = converted.split(b"base64\r\n\r\n", 1)[1].split(b"--b--")[0]
+    # The CRLF before a boundary delimiter belongs to it (RFC 2046 §5.1.1), not to the part.
+    assert base64.b64decode(encoded) == inner[:-2]
+    plain = outer.replace(inner, b"Subject: hi\r\n\r\nhi\r\n")
+    assert to_7bit(plain.replace(b"8bit", b"7bit")) == plain.replace(b"8bit", b"7bit")
+
+
+def test_an_enclosed_message_whose_body_is_encoded_is_declared_mime() -> None:
+    """RFC 2045 §4: a message inside message/rfc822 whose 8-bit body gets a
+    Content-Transfer-Encoding also gets MIME-Version (and, lacking one, a Content-Type,
+    RFC 1428), or no reader would decode it."""
+    outer = (
+        b"MIME-Version: 1.0\r\nContent-Type: message/rfc822\r\n"
+        b"Content-Transfer-Encoding: 8bit\r\n\r\n" + "Subject: x\r\n\r\nGrüße\r\n".encode()
+    )
+    converted = to_7bit(outer)
+    assert converted.isascii()
+    parsed = email.message_from_bytes(converted, policy=email.policy.default)
+    assert isinstance(parsed, EmailMessage)
+    (enclosed,) = parsed.iter_parts()
+    assert enclosed["MIME-Version"] == "1.0"
+    assert enclosed.get_content_charset() == "unknown-8bit"
+    assert enclosed.get_payload(decode=True) == "Grüße\r\n".encode()
+
+
+UTF8_ORIGINALS = {
+    "UTF-8 headers": (
+        "From: jörg@example.test\r\nSubject: Grüße\r\nMIME-Version: 1.0\r\n"
+        "Content-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n"
+        "Grüße\r\n"
+    ).encode(),
+    "8-bit body, no MIME": "From: a@example.test\r\nSubject: x\r\n\r\nGrüße\r\n".encode(),
+    "UTF-8 MIME part header": (
+        "From: a@example.test\r\nMIME-Version: 1.0\r\n"
+        "Content-Type: multipart/mixed; boundary=b\r\n\r\n"
+        '--b\r\nContent-Type: text/plain; name="ü.txt"\r\nContent-Transfer-Encoding: 8bit\r\n'
+        "\r\nü\r\n--b--\r\n"
+    ).encode(),
+    "8-bit preamble": (
+        "From: a@example.test\r\nMIME-Version: 1.0\r\n"
+        "Content-Type: multipart/mixed; boundary=b\r\n\r\nVorwort: Grüße\r\n"
+        "--b\r\nContent-Type: text/plain\r\n\r\nx\r\n--b--\r\n"
+    ).encode(),
+    "enclosed message with UTF-8 headers": (
+        "From: a@example.test\r\nMIME-Version: 1.0\r\nContent-Type: message/rfc822\r\n"
+        "Content-Transfer-Encoding: 8bit\r\n\r\nSubject: Grüße\r\n\r\nGrüße\r\n"
+    ).encode(),
+    "over-long header line, 8-bit body": (
+        "From: a@example.test\r\nX-Long: " + "a" * 1200 + "\r\n\r\nGrüße\r\n"
+    ).encode(),
+}
+
+
+@pytest.mark.parametrize("ret", ["FULL", "HDRS"])
+@pytest.mark.parametrize("name", list(UTF8_ORIGINALS))
+def test_every_dsn_can_be_made_7bit(name: str, ret: str) -> None:
+    """RFC 6152 §3, RFC 6532 §3.5 / §3.7, RFC 3461 §4.3: whatever 8-bit original a DSN
+    returns (RET=FULL or headers only), the DSN converts to 7-bit MIME for a sender's MX
+    without 8BITMIME or SMTPUTF8, so it is never refused for its encoding (a DSN from <>
+    that fails is dropped, RFC 5321 §4.5.5: the sender would never hear of the failure);
+    the returned message decodes to the original octets."""
+    original = UTF8_ORIGINALS[name]
+    converted = to_7bit(_dsn(original, ret))
+    assert converted.isascii()
+    assert max(len(line) for line in converted.split(b"\r\n")) <= 998
+    returned = _returned(converted)
+    if ret == "HDRS":
+        assert returned.get_content_type() == "text/rfc822-headers"
+        assert returned.get_payload(decode=True) == original.split(b"\r\n\r\n", 1)[0] + b"\r\n"
+    elif returned.get_content_type() == "message/global":
+        assert returned["Content-Transfer-Encoding"] == "base64"
+        encoded = converted.split(b"Content-Transfer-Encoding: base64\r\n\r\n")[-1]
+        assert base64.b64decode(encoded.split(b"\r\n--")[0]) == original
+    else:  # only 8-bit leaf bodies: message/rfc822, its body re-encoded
+        assert name == "8-bit body, no MIME"
+        assert returned.get_content_type() == "message/rfc822"
+        (enclosed,) = returned.iter_parts()
+        assert enclosed.get_payload(decode=True) == original.split(b"\r\n\r\n", 1)[1]

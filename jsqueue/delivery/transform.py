@@ -21,6 +21,17 @@ _HIGH = re.compile(rb"[\x80-\xff]")
 _MAX_LINE = 998  # RFC 5322 §2.1.1, octets without CRLF
 # Headers are written back as they came (refold_source="none"); only lines we add are folded.
 _POLICY = email.policy.SMTP.clone(refold_source="none", max_line_length=78)
+# RFC 6532 §3.5, RFC 6533 §6: unlike message/rfc822 (RFC 2046 §5.2.1), these message types
+# may take a base64 or quoted-printable Content-Transfer-Encoding, so their content (UTF-8
+# headers included) can be made 7-bit whole.
+_ENCODABLE_MESSAGES = frozenset(
+    {
+        "message/global",
+        "message/global-headers",
+        "message/global-delivery-status",
+        "message/global-disposition-notification",
+    }
+)
 
 
 class ConversionError(ValueError):
@@ -122,6 +133,37 @@ def _set_cte(part: Message, value: str) -> None:
         part["Content-Transfer-Encoding"] = value
 
 
+def _declare_mime(msg: Message) -> None:
+    """Label a (top-level or enclosed) message without ``MIME-Version`` as MIME, so that
+    the Content-Transfer-Encoding a conversion adds is read (RFC 2045 §4); lacking a
+    ``Content-Type`` it is ``text/plain; charset=unknown-8bit`` (RFC 1428)."""
+    if "MIME-Version" not in msg:
+        msg["MIME-Version"] = "1.0"
+        if "Content-Type" not in msg:
+            msg["Content-Type"] = "text/plain; charset=unknown-8bit"
+
+
+def _encode_message(part: Message) -> bool:
+    """Base64-encode a message/global (or other RFC 6533 ``message/global-*``) part whose
+    content is not 7-bit, as RFC 6532 §3.5 allows; True when it was encoded. The content is
+    written back as parsed (headers unfolded as they came), so it decodes to the original
+    octets with CRLF line ends."""
+    payload = part.get_payload()
+    if isinstance(payload, list):
+        raw = b"".join(m.as_bytes(policy=_POLICY) for m in payload if isinstance(m, Message))
+    elif isinstance(payload, str):
+        raw = payload.encode("ascii", "surrogateescape")
+    else:  # pragma: no cover - the parser gives a list or a str
+        return False
+    if not _needs_encoding(raw):
+        return False
+    encoded = base64.b64encode(raw).decode("ascii")
+    _set_cte(part, "base64")
+    # A message payload is written out as it is, so its line ends must be CRLF already.
+    part.set_payload("".join(encoded[i : i + 76] + "\r\n" for i in range(0, len(encoded), 76)))
+    return True
+
+
 def _encode_leaf(part: Message) -> None:
     data = part.get_payload(decode=True)
     if not isinstance(data, bytes):
@@ -141,11 +183,16 @@ def to_7bit(message: bytes) -> bytes:
     """Re-encode an 8-bit MIME message as 7-bit MIME (RFC 6152 §3, RFC 2045 §6).
 
     Leaf parts with octets >= 0x80 or lines longer than 998 octets are re-encoded
-    (``text/*`` quoted-printable, others base64); multipart and ``message/*`` containers
-    declared ``8bit``/``binary`` are relabelled ``7bit``. A message without ``MIME-Version``
+    (``text/*`` quoted-printable, others base64); a ``message/global`` part (or another
+    RFC 6533 ``message/global-*`` part) that holds such octets, UTF-8 headers included, is
+    base64-encoded whole (RFC 6532 §3.5 allows it, unlike RFC 2046 §5.2.1 for
+    ``message/rfc822``), which is how a DSN returning an internationalised message reaches
+    a next hop without 8BITMIME; other multipart and ``message/*`` containers declared
+    ``8bit``/``binary`` are relabelled ``7bit``. A message without ``MIME-Version``
     gets ``MIME-Version: 1.0`` and, lacking a ``Content-Type``, ``text/plain;
-    charset=unknown-8bit`` (RFC 1428). Invalidates DKIM signatures over the body (see the
-    module docstring).
+    charset=unknown-8bit`` (RFC 1428); so does a message enclosed in a ``message/rfc822``
+    part whose body is re-encoded (RFC 2045 §4). Invalidates DKIM signatures over the body
+    (see the module docstring).
 
     Args:
         message: the whole raw message, CRLF line ends.
@@ -160,20 +207,24 @@ def to_7bit(message: bytes) -> bytes:
     if has_8bit_headers(message[: header_end(message)]):
         raise ConversionError("8-bit octets in the message header")
     msg = BytesParser(policy=_POLICY).parsebytes(message)
-    if "MIME-Version" not in msg:
-        msg["MIME-Version"] = "1.0"
-        if "Content-Type" not in msg:
-            msg["Content-Type"] = "text/plain; charset=unknown-8bit"
-    for part in msg.walk():
+    _declare_mime(msg)
+    enclosed: set[int] = set()  # messages inside message/rfc822 (or other message/*) parts
+    for part in msg.walk():  # a part encoded whole below is not descended into
         for name, value in part.raw_items():
             if isinstance(value, str) and not value.isascii():
                 raise ConversionError(f"8-bit octets in the {name} header of a MIME part")
         cte = str(part.get("Content-Transfer-Encoding", "7bit")).strip().lower()
+        if part.get_content_type() in _ENCODABLE_MESSAGES and _encode_message(part):
+            continue
         if part.is_multipart():
             if cte in ("8bit", "binary"):
                 _set_cte(part, "7bit")
+            if part.get_content_maintype() == "message":
+                enclosed.update(id(m) for m in part.get_payload())
             continue
         if _leaf_needs_encoding(part, cte):
+            if id(part) in enclosed:
+                _declare_mime(part)  # RFC 2045 §4: an enclosed message says it is MIME
             _encode_leaf(part)
     out = msg.as_bytes(policy=_POLICY)
     if _needs_encoding(out):

@@ -11,6 +11,7 @@ docs/architecture.md (Operations and DSNs).
 from __future__ import annotations
 
 import base64
+import email.policy
 import ipaddress
 import quopri
 import re
@@ -18,6 +19,7 @@ import textwrap
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from email.parser import BytesParser
 from email.utils import format_datetime
 from enum import StrEnum
 
@@ -31,6 +33,7 @@ DIAGNOSTIC_TYPE_LOCAL = "X-jsqueue"
 """RFC 3464 §2.3.6 diagnostic-type for replies jsqueue synthesised itself."""
 
 _MAX_LINE = 78  # RFC 5322 §2.1.1 recommended line length
+_MAX_LINE_OCTETS = 998  # RFC 5322 §2.1.1 limit, CRLF excluded
 _HARD_WORD = 900  # split words longer than this: RFC 5322 §2.1.1 limits lines to 998 octets
 _ENHANCED_RE = re.compile(r"^[245]\.\d{1,3}\.\d{1,3}$")
 _CTL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -457,6 +460,42 @@ def _base64_lines(data: bytes) -> bytes:
     return b"".join(encoded[i : i + 76] + b"\r\n" for i in range(0, len(encoded), 76))
 
 
+def _too_long(text: str, first: int = 0) -> bool:
+    """A line of ``text`` is over 998 octets (RFC 5322 §2.1.1); ``first`` octets precede
+    its first line (a header's ``Name: ``)."""
+    lines = text.splitlines() or [""]
+    return first + len(lines[0]) > _MAX_LINE_OCTETS or any(
+        len(line) > _MAX_LINE_OCTETS for line in lines[1:]
+    )
+
+
+def fits_rfc822(message: bytes) -> bool:
+    """Whether an 8-bit message can be returned as ``message/rfc822``.
+
+    That type admits no encoding but 7bit, 8bit and binary (RFC 2046 §5.2.1), so for a
+    next hop without 8BITMIME its content must be made 7-bit part by part (RFC 6152 §3,
+    RFC 2045 §6), which only works when the 8-bit octets (and lines over 998 octets) are
+    all in the bodies of leaf parts. A header section anywhere in it (of the message, of a
+    MIME part, of an enclosed message) with UTF-8 or other 8-bit octets (RFC 6532 §3.3) or
+    an over-long line, or such a preamble or epilogue, rules it out: such a message is
+    returned as ``message/global`` (RFC 6532 §3.7), which may be base64-encoded whole
+    (§3.5). Pure: parses, no I/O.
+
+    Args:
+        message: the whole message, CRLF line ends.
+    """
+    parsed = BytesParser(policy=email.policy.compat32).parsebytes(message)
+    for part in parsed.walk():
+        for name, value in part.raw_items():
+            if not value.isascii() or _too_long(value, len(name) + 2):
+                return False
+        if part.is_multipart():
+            for text in (part.preamble, part.epilogue):
+                if text and (not text.isascii() or _too_long(text)):
+                    return False
+    return True
+
+
 def _returned_part(entry: Entry, original: bytes, max_returned_size: int) -> bytes | None:
     if not original:
         return None
@@ -466,7 +505,7 @@ def _returned_part(entry: Entry, original: bytes, max_returned_size: int) -> byt
             content += b"\r\n"
         if content.isascii():
             head = b"Content-Type: message/rfc822\r\nContent-Transfer-Encoding: 7bit\r\n"
-        elif (header_block(content, complete=True) or b"").isascii():
+        elif fits_rfc822(content):
             head = b"Content-Type: message/rfc822\r\nContent-Transfer-Encoding: 8bit\r\n"
         else:
             head = b"Content-Type: message/global\r\nContent-Transfer-Encoding: 8bit\r\n"
