@@ -502,3 +502,7 @@ async def test_front_end_rejections_are_logged_and_counted_by_code(
     assert len(lines) == 5
     assert all("client=127.0.0.1" in line for line in lines)
     assert any("reply='554 5.7.1" in line and "from=<a@example.test>" in line for line in lines)
+    # after the data too: whose message was refused (the envelope is reset only after it)
+    after_data = [line for line in lines if "reply='550 5.6.11" in line or "reply='451" in line]
+    assert len(after_data) == 2
+    assert all("from=<a@example.test> rcpts=1" in line for line in after_data), after_data

@@ -575,14 +575,18 @@ class InboundSession(SMTP):
             await self._reply(R501_BAD_PARAMETER, "Syntax: DATA")
             return
         self._busy = True
+        reply: str | None = None
         try:
-            reply = await self._receive(txn)
+            try:
+                reply = await self._receive(txn)
+            finally:
+                self._busy = False
+            if reply is not None:  # before the reset: a refusal's log line names the envelope
+                await self.push(reply)
         finally:
-            self._busy = False
             self._set_post_data_state()  # type: ignore[no-untyped-call]  # unannotated in aiosmtpd
         if reply is None:
             return
-        await self.push(reply)
         if self._server.draining:
             await self._reply(R421_SHUTTING_DOWN)
             self._close()
