@@ -219,6 +219,32 @@ async def test_any_ehlo_argument_is_stored_safely(
         assert entry.helo == stored
 
 
+@pytest.mark.parametrize(
+    ("configured", "queued_for"),
+    [("", "postmaster@mx.jsqueue.test"), ("ops@example.test", "ops@example.test")],
+)
+async def test_rcpt_to_postmaster_without_a_domain_is_accepted(
+    mem: Stores, configured: str, queued_for: str
+) -> None:
+    """RFC 5321 §4.1.1.3, §4.5.1: ``RCPT TO:<Postmaster>`` (no domain, any case) MUST be
+    accepted; it is queued for ``smtp.postmaster`` (by default postmaster at the front
+    end's own name), also from a client that may not relay: the postmaster is this
+    system's own mailbox. Any other address without a domain is still refused."""
+    settings = frontend_settings(relay_networks=["192.0.2.0/24"], postmaster=configured)
+    async with running(settings, mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<someone>", 501)
+        await w.expect("RCPT TO:<b@dest.example.test>", 554)  # no relaying for it
+        await w.expect("RCPT TO:<PostMaster>", 250)
+        await w.expect("DATA", 354)
+        await w.send(dot_stuff(MESSAGE) + b".\r\n")
+        assert (await w.reply()).code == 250
+    entry = (await entries_of(mem))[0]
+    assert [r.address for r in entry.recipients] == [queued_for]
+
+
 async def test_pipelined_transaction_gets_replies_in_order(mem: Stores) -> None:
     """RFC 2920 §3.1: a pipelined group is answered in order, and commands sent right after
     the terminator (in the same packet) are executed after the DATA reply."""
@@ -270,7 +296,7 @@ async def test_null_reverse_path_and_sequence_errors(mem: Stores) -> None:
         ("MAIL FROM:<a@example.test> XFOO=1", 555, "5.5.4"),
         ("MAIL FROM:<a@[999.1.1.1]>", 553, "5.1.3"),
         ("RCPT TO:<>", 501, "5.1.3"),
-        ("RCPT TO:<postmaster>", 501, "5.1.3"),
+        ("RCPT TO:<webmaster>", 501, "5.1.3"),
         ("RCPT TO:<b@dest.example.test> NOTIFY=NEVER,SUCCESS", 501, "5.5.4"),
         ("RCPT TO:<b@dest.example.test> ORCPT=bob", 501, "5.5.4"),
         ("RCPT TO:<b@dest.example.test> XFOO", 555, "5.5.4"),

@@ -151,6 +151,11 @@ class SmtpSettings(_Section):
     hostname: str = Field("localhost", description="name in the greeting and Received:")
     max_message_size: int = Field(50_000_000, ge=1024, description="SIZE limit, octets")
     max_recipients: int = Field(1000, ge=1, description="RCPT limit per message")
+    postmaster: str = Field(
+        "",
+        description="the address RCPT TO:<Postmaster> (no domain) is queued for, RFC 5321 "
+        "§4.5.1; empty: postmaster@<smtp.hostname>",
+    )
     max_received: int = Field(
         100,
         ge=10,

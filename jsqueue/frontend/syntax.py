@@ -169,7 +169,9 @@ def parse_params(text: str) -> dict[str, str | None]:
     return params
 
 
-def _path_command(arg: str | None, keyword: str, *, reverse: bool) -> Command:
+def _path_command(
+    arg: str | None, keyword: str, *, reverse: bool, postmaster: str | None = None
+) -> Command:
     bad = R501_BAD_REVERSE_PATH if reverse else R501_BAD_FORWARD_PATH
     if not arg or arg[: len(keyword)].upper() != keyword:
         raise SyntaxProblem(bad, f"Syntax: {'MAIL FROM' if reverse else 'RCPT TO'}:<address>")
@@ -189,6 +191,8 @@ def _path_command(arg: str | None, keyword: str, *, reverse: bool) -> Command:
         return Command(Path("", "", False), params)
     route = _ROUTE_RE.match(inner)
     mailbox = inner[route.end() :] if route else inner
+    if postmaster is not None and mailbox.lower() == "postmaster":
+        mailbox = postmaster  # RFC 5321 §4.1.1.3: <Postmaster> without a domain
     if any("\udc80" <= ch <= "\udcff" for ch in mailbox):
         raise SyntaxProblem(bad, f"{bad.text}: not valid UTF-8")
     try:
@@ -210,14 +214,20 @@ def parse_mail_from(arg: str | None) -> Command:
     return _path_command(arg, "FROM:", reverse=True)
 
 
-def parse_rcpt_to(arg: str | None) -> Command:
+def parse_rcpt_to(arg: str | None, postmaster: str | None = None) -> Command:
     """Parse the argument of ``RCPT`` (``TO:<forward-path> [params]``; RFC 5321 §4.1.1.3).
+
+    Args:
+        arg: what follows ``RCPT``.
+        postmaster: the address ``RCPT TO:<Postmaster>`` (no domain, any case) stands for:
+            RFC 5321 §4.1.1.3 and §4.5.1 require it to be accepted; None refuses it as an
+            address without a domain.
 
     Raises:
         SyntaxProblem: 501 5.1.3 for a malformed or null path, 553 5.1.3 for an unroutable
             domain, 501 5.5.4 for malformed parameters.
     """
-    return _path_command(arg, "TO:", reverse=False)
+    return _path_command(arg, "TO:", reverse=False, postmaster=postmaster)
 
 
 def require_utf8_allowed(path: Path, smtputf8: bool) -> None:
