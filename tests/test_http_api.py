@@ -9,7 +9,7 @@ from jsqueue.envelope import EntryState
 from jsqueue.events import EventKind, tail
 from jsqueue.names import slot_key
 from support.api import ApiEnv
-from support.nats import read_body
+from support.nats import make_entry, read_body
 
 RAW = (
     b"From: Alice <alice@example.org>\r\n"
@@ -111,6 +111,30 @@ async def test_inject_stores_as_smtp_does_and_actions_go_through_admin(api_env: 
     assert status == 404
     status, _ = await api_env.call("POST", f"/api/v1/queue/{queue_id}/delete")
     assert status == 404
+
+
+async def test_bulk_filter_without_a_condition_is_refused(api_env: ApiEnv) -> None:
+    # A filter that says nothing matches every entry: "delete" would empty the queue. As
+    # the CLI, every entry must be asked for as "all", never as an empty filter.
+    kept = make_entry(domain="example.com")
+    other = make_entry(domain="example.net")
+    for e in (kept, other):
+        await api_env.stores.entries.create(e)
+    empty = {"states": None, "domain": None, "sender": None, "min_age_s": None, "max_age_s": None}
+    for flt in ({}, empty, {"states": []}, {"sender": ""}):
+        for action in ("delete", "bounce", "hold"):
+            status, body = await api_env.call(
+                "POST", f"/api/v1/actions/{action}", json={"filter": flt}
+            )
+            assert status == 422, (flt, action, body)
+            assert "no condition" in body["detail"] and '"all"' in body["detail"], body
+    for e in (kept, other):
+        assert (await api_env.stores.entries.get(e.id)).entry.state is EntryState.PENDING
+    status, bulk = await api_env.call(
+        "POST", "/api/v1/actions/delete", json={"filter": {"domain": "example.net"}}
+    )
+    assert status == 200 and [r["queue_id"] for r in bulk["results"]] == [other.id], bulk
+    assert (await api_env.stores.entries.get(kept.id)).entry.state is EntryState.PENDING
 
 
 async def test_idempotency_key(api_env: ApiEnv) -> None:

@@ -95,7 +95,8 @@ class ActionBody(_Strict):
 
 class BulkBody(_Strict):
     """A bulk action (``POST /api/v1/actions/{action}``): ``ids``, or ``filter``, or
-    ``all``; exactly one of them."""
+    ``all``; exactly one of them. A filter needs at least one condition (422 otherwise):
+    every entry is asked for as ``all``, never as an empty filter."""
 
     ids: list[QueueId] | None = Field(None, max_length=10_000)
     filter: EntryFilterBody | None = None

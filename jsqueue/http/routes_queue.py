@@ -119,6 +119,13 @@ def queue_routes(ctx: ApiContext) -> list[Route]:
                     if f is not None
                     else EntryFilter()
                 )
+                if f is not None and flt.is_empty:
+                    # As the CLI: a filter with no condition would match every entry;
+                    # "everything" must be asked for as such.
+                    raise RequestRejected(
+                        "the filter has no condition (states, domain, sender, min_age_s, "
+                        'max_age_s) and would select every entry: give one, or "all": true'
+                    )
                 domain = flt.domain if action is Action.FLUSH else None
                 ids = await adm.select(flt)
             if len(ids) > ctx.settings.api.max_bulk:
