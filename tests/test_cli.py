@@ -353,9 +353,15 @@ async def test_version() -> None:
 async def test_config_show_is_toml_that_reads_back_unchanged(tmp_path: Path) -> None:
     """``config show`` prints valid TOML; given back with ``--config`` it yields the same
     settings (and the same output), for non-default values of every kind: lists, a table
-    of TLS policies, a nested section, unset values; a secret is left out, named in a
-    comment, never printed."""
+    of TLS policies, a nested section, a list of tables with unset values in it, unset
+    values; a secret is left out, named in a comment, never printed."""
+    keys = [
+        {"domain": "example.test", "selector": "s1", "key_file": "/keys/s1.key"},
+        {"domain": "example.test", "selector": "s2", "key_file": "/keys/s2.key",
+         "algorithm": "ed25519-sha256"},
+    ]  # fmt: skip
     env = cli_env(
+        JSQUEUE_WORKER__DKIM__KEYS=json.dumps(keys),
         JSQUEUE_SMTP__RELAY_NETWORKS="10.0.0.0/8,192.0.2.0/24",
         JSQUEUE_WORKER__TLS_POLICIES='{"secure.example.test": "required"}',
         JSQUEUE_WORKER__SMARTHOST__HOST="relay.example.test",
@@ -372,6 +378,7 @@ async def test_config_show_is_toml_that_reads_back_unchanged(tmp_path: Path) -> 
     data = tomllib.loads(first.out)
     assert data["worker"]["smarthost"]["port"] == 2587
     assert data["smtp"]["relay_networks"] == ["10.0.0.0/8", "192.0.2.0/24"]
+    assert data["worker"]["dkim"]["keys"] == keys  # [[worker.dkim.keys]], algorithm unset
     path = tmp_path / "shown.toml"
     path.write_text(first.out)
     again = await jsqueue("--config", str(path), "config", "show", env=cli_env())

@@ -10,6 +10,9 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
+from jsqueue.errors import ConfigError
 from jsqueue.http.auth import TokenFile, token_digest
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
@@ -149,3 +152,17 @@ async def test_token_add_ls_rm(tmp_path: Path) -> None:
     assert (await run("token", "rm", "ops", env=env))[0] == 0
     assert TokenFile(path).authenticate(token) is None
     assert (await run("token", "rm", "ops", env=env))[0] == 1
+
+
+async def test_token_commands_on_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    """A tokens file that is not UTF-8: one line naming the file and where, exit 1, for
+    each token command; the API refuses to start on it, naming api.tokens_file."""
+    path = tmp_path / "tokens"
+    path.write_bytes(b"# ops\n\xe9quipe:read:sha256:" + b"0" * 64 + b"\n")
+    env = cli_env(JSQUEUE_API__TOKENS_FILE=str(path))
+    for args in (("add", "ops", "--role", "read"), ("ls",), ("rm", "ops")):
+        code, out, err = await run("token", *args, env=env)
+        assert code == 1 and out == "", (args, code, err)
+        assert err.strip() == f"jsqueue: {path}: not UTF-8 at line 2, column 1 (byte 0xe9)"
+    with pytest.raises(ConfigError, match=r"^api\.tokens_file: .*: not UTF-8 at line 2"):
+        TokenFile(path)

@@ -14,14 +14,17 @@ from test_cli import cli_env, jsqueue
 
 from jsqueue.config import (
     HttpSettings,
+    NatsSettings,
     Settings,
     SmarthostSettings,
     SmtpSettings,
+    WorkerSettings,
     load_settings,
     setting_paths,
     settings_reference,
 )
-from jsqueue.errors import ConfigError
+from jsqueue.errors import ConfigError, InvalidName
+from jsqueue.names import Names
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -144,20 +147,45 @@ INVALID = [
         id="dane-without-resolver",
     ),
     pytest.param({}, "[worker\nmx_port = \n", r"config file .*jsqueue\.toml: ", id="toml-bad"),
+    pytest.param(
+        {},
+        b'[smtp]\nhostname = "r\xe9lais.example.test"\n',
+        r"config file .*jsqueue\.toml: not UTF-8 at line 2, column 14 \(byte 0xe9\)",
+        id="toml-not-utf8",
+    ),
+    pytest.param(
+        {},
+        '[smtp]\nhostname = "mx.example.test\\r\\nX-Injected: yes"\n',
+        r"smtp\.hostname: .*not a domain name: 'mx\.example\.test\\r\\nX-Injected: yes'",
+        id="hostname-crlf",
+    ),
+    pytest.param(
+        {"JSQUEUE_WORKER__EHLO_NAME": "relay.example.test\r\nRSET"},
+        None,
+        r"worker\.ehlo_name: .*not a domain name or address literal",
+        id="ehlo-name-crlf",
+    ),
+    pytest.param(
+        {"JSQUEUE_NATS__PREFIX": "a.b"}, None, r"nats\.prefix: .*not a name prefix", id="prefix"
+    ),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
 ]
 
 
 @pytest.mark.parametrize(("env", "toml", "message"), INVALID)
 async def test_invalid_setting_is_one_line_exit_2(
-    tmp_path: Path, env: dict[str, str], toml: str | None, message: str
+    tmp_path: Path, env: dict[str, str], toml: str | bytes | None, message: str
 ) -> None:
-    """An invalid value from the environment or a TOML file, a malformed TOML file or a
-    missing one: exit code 2, one line on stderr naming the setting and why, no traceback."""
+    """An invalid value from the environment or a TOML file, a malformed TOML file (not
+    TOML, not UTF-8) or a missing one: exit code 2, one line on stderr naming the setting
+    and why, no traceback."""
     args: list[str] = []
     if toml is not None:
         path = tmp_path / "jsqueue.toml"
-        path.write_text(toml)
+        if isinstance(toml, bytes):
+            path.write_bytes(toml)
+        else:
+            path.write_text(toml)
         args = ["--config", str(path)]
     run = await jsqueue(*args, "config", "show", env=cli_env(**env))
     assert run.code == 2, (run.code, run.out, run.err)
@@ -214,6 +242,66 @@ def test_host_settings_take_a_name_or_an_address(value: str, ok: bool) -> None:
         else:
             with pytest.raises(ValidationError, match="not a host name or IP address"):
                 model.model_validate(values)
+
+
+@pytest.mark.parametrize(
+    ("value", "hostname", "ehlo_name"),
+    [
+        ("relay.example.test", True, True),
+        ("localhost", True, True),
+        ("xn--bcher-kva.example", True, True),
+        ("a-1.b2.example", True, True),
+        ("[192.0.2.1]", False, True),
+        ("[IPv6:2001:db8::1]", False, True),
+        ("[ipv6:2001:db8::1]", False, True),
+        ("", False, False),
+        ("relay.example.test\r\nX-Injected: yes", False, False),
+        ("relay.example.test\n", False, False),
+        ("relay example.test", False, False),
+        ("relay.example.test.", False, False),
+        ("mail_relay.example.test", False, False),  # no underscore in RFC 5321 Domain
+        ("-relay.example.test", False, False),
+        ("relay-.example.test", False, False),
+        ("a..example.test", False, False),
+        ("a" * 64 + ".example.test", False, False),
+        ("bücher.example", False, False),  # U-labels as xn--
+        ("192.0.2.1", False, False),  # an address only as a literal
+        ("[2001:db8::1]", False, False),
+        ("[IPv6:192.0.2.1]", False, False),
+        ("[IPv6:fe80::1%eth0]", False, False),
+        ("[192.0.2.300]", False, False),
+        ("[192.0.2.1]\r\n", False, False),
+    ],
+)
+def test_our_smtp_names_are_domains(value: str, hostname: bool, ehlo_name: bool) -> None:
+    """``smtp.hostname`` (greeting, EHLO reply, Received:) is an RFC 5321 §4.1.2 Domain;
+    ``worker.ehlo_name`` a Domain or an address literal (§4.1.3). Anything else, a CR LF
+    above all (a reply line without a code, a header line in every Received: field), fails
+    at load, naming the setting."""
+    for model, values, ok in (
+        (SmtpSettings, {"hostname": value}, hostname),
+        (WorkerSettings, {"ehlo_name": value}, ehlo_name),
+    ):
+        if ok:
+            assert model.model_validate(values).model_dump()[next(iter(values))] == value
+        else:
+            with pytest.raises(ValidationError, match="not a domain name"):
+                model.model_validate(values)
+
+
+@pytest.mark.parametrize("prefix", ["jsq", "t-1_x", "a" * 32, "a.b", "a b", "A", "1a", "", "a>"])
+def test_nats_prefix_is_checked_at_load_as_names_does(prefix: str) -> None:
+    """``nats.prefix`` takes exactly what :class:`~jsqueue.names.Names` takes, so a bad one
+    fails at load naming the setting, not at the first NATS request."""
+    try:
+        Names(prefix)
+    except InvalidName:
+        with pytest.raises(ValidationError, match="not a name prefix"):
+            NatsSettings(prefix=prefix)
+    else:
+        assert NatsSettings(prefix=prefix).prefix == prefix
+    with pytest.raises(ValidationError):
+        NatsSettings(prefix="a" * 33)
 
 
 def test_a_list_setting_takes_a_bare_comma_separated_value(

@@ -33,7 +33,7 @@ from jsqueue.cli.commands import _state, app
 from jsqueue.config import Settings, load_settings
 from jsqueue.envelope import Notify
 from jsqueue.errors import ConfigError, JsqueueError, RequestRejected, StoreUnavailable
-from jsqueue.http.auth import Role, add_token, parse_tokens, remove_token
+from jsqueue.http.auth import Role, add_token, parse_tokens, read_tokens_file, remove_token
 from jsqueue.http.message import Transaction, check_reverse_path, checked_envelope, crlf
 from jsqueue.http.models import RecipientSpec
 from jsqueue.logs import setup_logging
@@ -97,7 +97,7 @@ def token_ls(file: FileOption = None) -> None:
     """List the tokens' names and roles (the tokens themselves are not stored)."""
     path = _tokens_file(file)
     try:
-        tokens = parse_tokens(path.read_text("utf-8"), str(path))
+        tokens = parse_tokens(read_tokens_file(path), str(path))
     except (ConfigError, OSError) as e:
         _fail(str(e), 1)
     for t in sorted(tokens.values(), key=lambda t: t.name):
@@ -112,7 +112,7 @@ def token_rm(
     path = _tokens_file(file)
     try:
         found = remove_token(path, name)
-    except OSError as e:
+    except (ConfigError, OSError) as e:
         _fail(str(e), 1)
     if not found:
         _fail(f"no token named {name!r} in {path}", 1)

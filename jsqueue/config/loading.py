@@ -36,7 +36,8 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
 
     Raises:
         ConfigError: one line naming the first invalid setting and why, e.g.
-            ``worker.mx_port: Input should be less than or equal to 65535``.
+            ``worker.mx_port: Input should be less than or equal to 65535``; or naming the
+            config file when it cannot be read, is not UTF-8 or is not TOML.
     """
     if config_file is not None:
         if not config_file.is_file():
@@ -55,6 +56,22 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise ConfigError(_one_line(_env_error(e))) from None
     except (tomllib.TOMLDecodeError, OSError) as e:
         raise ConfigError(_one_line(f"config file {os.environ.get(CONFIG_ENV)}: {e}")) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {os.environ.get(CONFIG_ENV)}: {not_utf8(e)} (TOML is UTF-8)"
+        ) from None
+
+
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """``not UTF-8 at line 2, column 14 (byte 0xe9)``: where a file's text stops decoding.
+
+    Args:
+        e: the error of decoding the whole file's octets as UTF-8.
+    """
+    before = bytes(e.object[: e.start])
+    line = before.count(b"\n") + 1
+    column = e.start - (before.rfind(b"\n") + 1) + 1
+    return f"not UTF-8 at line {line}, column {column} (byte {e.object[e.start]:#04x})"
 
 
 _ENV_PREFIX = "JSQUEUE_"
@@ -127,10 +144,11 @@ def _masked(value: Any) -> bool:
 
 def toml_text(data: Mapping[str, Any]) -> str:
     """Settings data (``Settings.model_dump(mode="json")``, secrets masked) as TOML that
-    ``--config`` reads back to the same settings: unset values (None) are left out, as
-    TOML has no null and their default is unset; masked secrets are left out too, named in
-    a comment (give them through the environment or the file, never through this output);
-    so is a list holding a URL with a masked password.
+    ``--config`` reads back to the same settings: unset values (None) are left out, in
+    tables and in lists of tables alike, as TOML has no null and their default is unset;
+    masked secrets are left out too, named in a comment (give them through the environment
+    or the file, never through this output); so is a list holding a URL with a masked
+    password.
 
     Args:
         data: section name -> settings of that section.
@@ -152,6 +170,8 @@ def toml_text(data: Mapping[str, Any]) -> str:
                     continue
                 kept[k] = clean(v, where)
             return kept
+        if isinstance(value, list):  # a list of tables ([[worker.dkim.keys]]) too
+            return [clean(v, f"{path}[{i}]") for i, v in enumerate(value)]
         return value
 
     body = tomli_w.dumps(clean(data, ""))

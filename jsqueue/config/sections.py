@@ -86,6 +86,98 @@ def _host(value: object) -> object:
 
 Host = Annotated[str, BeforeValidator(_host)]
 
+#: An RFC 5321 §4.1.2 sub-domain: Let-dig [Ldh-str], letters, digits and hyphens, neither
+#: end a hyphen, at most 63 octets (RFC 1035 §2.3.4).
+_SUB_DOMAIN = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _domain_problem(text: str) -> str | None:
+    """Why ``text`` is not an RFC 5321 §4.1.2 ``Domain`` (dot-separated sub-domains, at most
+    253 octets, not all numeric: RFC 1123 §2.1), or None when it is one."""
+    if not text:
+        return "empty"
+    labels = text.split(".")
+    if len(text) > 253 or not all(_SUB_DOMAIN.fullmatch(label) for label in labels):
+        return (
+            "dot-separated labels of letters, digits and hyphens "
+            "(RFC 5321 §4.1.2; a U-label as its xn-- A-label)"
+        )
+    if all(label.isdigit() for label in labels):
+        return "all numeric (RFC 1123 §2.1); an address is written as a literal, [192.0.2.1]"
+    return None
+
+
+def _smtp_domain(value: object) -> object:
+    """A domain name as SMTP sends it (RFC 5321 §4.1.2 ``Domain``): the front end's name
+    in its greeting, EHLO reply and Received: fields, where a CR LF or a space would start
+    a line of its own.
+
+    Raises:
+        ValueError: not an RFC 5321 Domain (see :func:`_domain_problem`).
+    """
+    if not isinstance(value, str):
+        return value
+    problem = _domain_problem(value)
+    if problem is not None:
+        raise ValueError(f"not a domain name: {value!r}; {problem}")
+    return value
+
+
+def _address_literal_problem(text: str) -> str | None:
+    """Why ``[...]`` text is not an RFC 5321 §4.1.3 address literal (``[192.0.2.1]`` or
+    ``[IPv6:2001:db8::1]``), or None when it is one."""
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else None
+    if inner is None:
+        return "an address literal is [192.0.2.1] or [IPv6:2001:db8::1]"
+    v6 = inner[:5].casefold() == "ipv6:"
+    try:
+        addr = ip_address(inner[5:] if v6 else inner)
+    except ValueError:
+        addr = None
+    if addr is None or (addr.version == 6) != v6 or "%" in inner:
+        return "an address literal is [192.0.2.1] or [IPv6:2001:db8::1] (RFC 5321 §4.1.3)"
+    return None
+
+
+def _ehlo_domain(value: object) -> object:
+    """The argument of our EHLO (RFC 5321 §4.1.1.1): a ``Domain`` (§4.1.2) or an address
+    literal (§4.1.3), nothing that could end the command line early.
+
+    Raises:
+        ValueError: neither a Domain nor an address literal.
+    """
+    if not isinstance(value, str):
+        return value
+    problem = _address_literal_problem(value) if value.startswith("[") else _domain_problem(value)
+    if problem is not None:
+        raise ValueError(f"not a domain name or address literal: {value!r}; {problem}")
+    return value
+
+
+#: The front end's name (``smtp.hostname``): an RFC 5321 Domain.
+SmtpDomain = Annotated[str, BeforeValidator(_smtp_domain)]
+#: The worker's EHLO name (``worker.ehlo_name``): a Domain or an address literal.
+EhloDomain = Annotated[str, BeforeValidator(_ehlo_domain)]
+
+#: What :class:`jsqueue.names.Names` takes as a prefix (checked there again): it starts
+#: every bucket, stream and subject name.
+_PREFIX = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def _prefix(value: object) -> object:
+    """A name prefix: 1-32 of ``[a-z0-9_-]``, starting with a letter (a dot would split a
+    subject token, ``*``/``>`` are wildcards, a space ends a subject).
+
+    Raises:
+        ValueError: not such a prefix.
+    """
+    if isinstance(value, str) and not _PREFIX.fullmatch(value):
+        raise ValueError(
+            f"not a name prefix: {value!r}; 1-32 lower-case letters, digits, '_' or '-', "
+            "starting with a letter"
+        )
+    return value
+
 
 def _ip(value: object) -> object:
     """An IP address (a resolver to ask: dnspython takes no host names), stripped.
@@ -114,7 +206,9 @@ class NatsSettings(_Section):
     store_dir: Path = Field(Path("data/nats"), description="embedded server's JetStream dir")
     config_file: Path | None = Field(None, description="embedded server config file")
     port: int = Field(4222, ge=0, le=65535, description="embedded server client port (0 = any)")
-    prefix: str = Field("jsq", description="name prefix of every bucket, stream and subject")
+    prefix: Annotated[str, BeforeValidator(_prefix)] = Field(
+        "jsq", description="name prefix of every bucket, stream and subject"
+    )
     replicas: Replicas = Field(1, description="replica count of buckets and streams")
     ack_wait_s: float = Field(60.0, gt=0, description="work item ack wait, seconds")
     max_ack_pending: int = Field(
@@ -148,7 +242,10 @@ class SmtpSettings(_Section):
 
     host: Host = Field("127.0.0.1", description="listen address")
     port: int = Field(2525, ge=0, le=65535, description="listen port")
-    hostname: str = Field("localhost", description="name in the greeting and Received:")
+    hostname: SmtpDomain = Field(
+        "localhost",
+        description="domain name in the greeting, EHLO reply and Received: (RFC 5321 §4.1.2)",
+    )
     max_message_size: int = Field(50_000_000, ge=1024, description="SIZE limit, octets")
     max_recipients: int = Field(1000, ge=1, description="RCPT limit per message")
     postmaster: str = Field(
@@ -200,7 +297,11 @@ class WorkerSettings(_Section):
 
     concurrency: int = Field(20, ge=1, description="deliveries in flight per worker")
     batch: int = Field(20, ge=1, description="work items fetched per request")
-    ehlo_name: str = Field("localhost", description="EHLO name of outbound sessions")
+    ehlo_name: EhloDomain = Field(
+        "localhost",
+        description="EHLO name of outbound sessions: a domain name, or an address literal "
+        "such as [192.0.2.1] (RFC 5321 §4.1.3)",
+    )
     own_names: list[str] = Field(
         default_factory=list,
         description="more names this queue's SMTP services answer EHLO with (smtp.hostname "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from jsqueue.config.loading import not_utf8
 from jsqueue.errors import ConfigError
 
 log = logging.getLogger("jsqueue.http.auth")
@@ -117,6 +118,20 @@ def token_line(name: str, role: Role, token: str) -> str:
     return f"{check_name(name)}:{Role(role).value}:sha256:{token_digest(token)}"
 
 
+def read_tokens_file(path: Path) -> str:
+    """The text of the tokens file at ``path`` (UTF-8).
+
+    Raises:
+        ConfigError: the file is not UTF-8 (naming it, the line and the column).
+        OSError: the file cannot be read.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: {not_utf8(e)}") from None
+
+
 def parse_tokens(text: str, where: str = "tokens file") -> dict[str, Token]:
     """Parse a tokens file: digest → :class:`Token`.
 
@@ -170,8 +185,8 @@ class TokenFile:
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             if stamp == self._stamp:
                 return
-            tokens = parse_tokens(self.path.read_text("utf-8"), str(self.path))
-        except (OSError, UnicodeDecodeError, ConfigError) as e:
+            tokens = parse_tokens(read_tokens_file(self.path), str(self.path))
+        except (OSError, ConfigError) as e:
             if strict:
                 raise ConfigError(f"api.tokens_file: {e}") from e
             if self._tokens or self._stamp is not None:
@@ -213,7 +228,7 @@ def add_token(path: Path, name: str, role: Role) -> str:
         OSError: the file cannot be read or written.
     """
     check_name(name)
-    existing = path.read_text("utf-8") if path.exists() else ""
+    existing = read_tokens_file(path) if path.exists() else ""
     if any(t.name == name for t in parse_tokens(existing, str(path)).values()):
         raise ValueError(f"{path} already has a token named {name!r} (remove it first)")
     token = new_token()
@@ -230,9 +245,10 @@ def remove_token(path: Path, name: str) -> bool:
     """Remove the line of the token named ``name`` from ``path``; True when one was there.
 
     Raises:
+        ConfigError: the file is not UTF-8.
         OSError: the file cannot be read or written.
     """
-    lines = path.read_text("utf-8").splitlines(keepends=True)
+    lines = read_tokens_file(path).splitlines(keepends=True)
     kept = [ln for ln in lines if ln.split(":", 1)[0].strip() != name or ln.startswith("#")]
     if len(kept) == len(lines):
         return False
