@@ -78,6 +78,15 @@ async def test_login_cookie_and_refusals(ui_env: UiEnv, client: aiohttp.ClientSe
         allow_redirects=False,
     ) as r:
         assert r.headers["Location"] == "/ui/"
+    # nor a header split (the login form's next comes from its query): a CR LF, a space
+    # or a non-ASCII character is no URI (RFC 3986 §2), and the answer a redirect, not 500
+    for target in ("/ui/queue\r\nSet-Cookie: x=1", "/ui/queue x", "/ui/queue?sender=é"):
+        async with client.post(
+            ui_env.url + "/ui/login",
+            data={"token": ui_env.tokens["read"], "next": target},
+            allow_redirects=False,
+        ) as r:
+            assert r.status == 302 and r.headers["Location"] == "/ui/", target
 
 
 async def test_read_token_sees_no_action_and_gets_403(
@@ -138,7 +147,14 @@ async def test_list_filters_and_paging(ui_env: UiEnv, client: aiohttp.ClientSess
     status, html = await get(client, base + "?domain=slow.example.test&state=deferred")
     assert all(i in html for i in ids[:3])
     status, html = await get(client, base + "?domain=not_a_domain!")
-    assert status == 422
+    assert status == 422 and "domain: " in html
+    # a stale bookmark or a hand-edited query: 422 naming the field and the values, not 500
+    for state in ("queued", "DONE", "done%00", "%ff", "x" * 300):
+        status, html = await get(client, base + f"?state={state}&domain=slow.example.test")
+        assert status == 422, (state, html[:200])
+        assert "state: Input should be &#39;held&#39;, &#39;active&#39;" in html, html
+    status, html = await get(client, base + "?state=queued&domain=not_a_domain!")
+    assert status == 422 and "state: " in html and "domain: " in html
     status, html = await get(client, base + "?sender=nobody@example.test")
     assert "No entry matches." in html
     status, _ = await get(client, base + f"?id={ids[0]}")

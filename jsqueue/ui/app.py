@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from pathlib import Path
@@ -246,7 +247,7 @@ class Dashboard:
                     self.ui.search_budget_s,
                 )
             except ValidationError as e:
-                problem = "; ".join(str(x["msg"]) for x in e.errors(include_url=False))
+                problem = _search_problem(e)
             except InvalidName as e:
                 problem = str(e)
         next_url = None
@@ -351,13 +352,29 @@ class Dashboard:
         return self.render(request, "destinations.html", rows=rows, columns=columns)
 
 
+def _search_problem(e: ValidationError) -> str:
+    """``state: Input should be 'held', ...; domain: ...``: what is wrong with each field
+    of the list's search, by its name in the form."""
+    parts = []
+    for err in e.errors(include_url=False):
+        field = str(err["loc"][0]) if err["loc"] else "search"
+        parts.append(f"{'state' if field == 'states' else field}: {err['msg']}")
+    return "; ".join(parts)
+
+
 def _str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: A URI reference's characters: printable ASCII, the rest percent-encoded (RFC 3986 §2).
+_URI_TEXT = re.compile(r"[!-~]+")
+
+
 def _local(target: str | None) -> str:
-    """``target`` when it is a path of the dashboard (no open redirect), else ``/ui/``."""
-    if target and target.startswith(PREFIX) and not target.startswith("//"):
+    """``target`` when it is a path of the dashboard (no open redirect) written as a URI is,
+    in printable ASCII (RFC 3986 §2: a CR LF would end the Location header field), else
+    ``/ui/``."""
+    if target and target.startswith(PREFIX) and _URI_TEXT.fullmatch(target):
         return target
     return PREFIX
 

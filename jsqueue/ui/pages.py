@@ -144,12 +144,15 @@ class Search:
         """The :class:`EntryFilter` of this search.
 
         Raises:
-            pydantic.ValidationError: a state or domain that cannot be one.
+            pydantic.ValidationError: a state or domain that cannot be one (the state is
+                checked there too, as the domain: never a bare ValueError).
         """
-        return EntryFilter(
-            states=frozenset({EntryState(self.state)}) if self.state else None,
-            domain=self.domain or None,
-            sender=self.sender or None,
+        return EntryFilter.model_validate(
+            {
+                "states": [self.state] if self.state else None,
+                "domain": self.domain or None,
+                "sender": self.sender or None,
+            }
         )
 
 
