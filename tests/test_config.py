@@ -168,6 +168,18 @@ INVALID = [
     pytest.param(
         {"JSQUEUE_NATS__PREFIX": "a.b"}, None, r"nats\.prefix: .*not a name prefix", id="prefix"
     ),
+    pytest.param(
+        {"JSQUEUE_SMTP__POSTMASTER": "ops"},
+        None,
+        r"smtp\.postmaster: .*not an address: 'ops'",
+        id="postmaster",
+    ),
+    pytest.param(
+        {"JSQUEUE_SMTP__POSTMASTER": "o ps@example.test"},
+        None,
+        r"smtp\.postmaster: .*no spaces",
+        id="postmaster-space",
+    ),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
 ]
 

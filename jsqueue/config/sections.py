@@ -156,6 +156,28 @@ def _ehlo_domain(value: object) -> object:
 
 #: The front end's name (``smtp.hostname``): an RFC 5321 Domain.
 SmtpDomain = Annotated[str, BeforeValidator(_smtp_domain)]
+
+
+def _mailbox(value: object) -> object:
+    """An address of this system's own (``smtp.postmaster``): ``local@domain``, the domain
+    an RFC 5321 §4.1.2 Domain; empty for the default. The local part's own syntax is the
+    front end's to check.
+
+    Raises:
+        ValueError: no ``@``, an empty or spaced local part, or a bad domain.
+    """
+    if not isinstance(value, str) or value == "":
+        return value
+    local, at, domain = value.rpartition("@")
+    problem = _domain_problem(domain) if at and local else "local@domain"
+    if problem is None and any(c <= " " or c == "\x7f" for c in local):
+        problem = "no spaces or control characters in the local part"
+    if problem is not None:
+        raise ValueError(f"not an address: {value!r}; {problem}")
+    return value
+
+
+Mailbox = Annotated[str, BeforeValidator(_mailbox)]
 #: The worker's EHLO name (``worker.ehlo_name``): a Domain or an address literal.
 EhloDomain = Annotated[str, BeforeValidator(_ehlo_domain)]
 
@@ -248,7 +270,7 @@ class SmtpSettings(_Section):
     )
     max_message_size: int = Field(50_000_000, ge=1024, description="SIZE limit, octets")
     max_recipients: int = Field(1000, ge=1, description="RCPT limit per message")
-    postmaster: str = Field(
+    postmaster: Mailbox = Field(
         "",
         description="the address RCPT TO:<Postmaster> (no domain) is queued for, RFC 5321 "
         "§4.5.1; empty: postmaster@<smtp.hostname>",
