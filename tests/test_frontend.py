@@ -789,6 +789,32 @@ async def test_resent_message_gets_the_same_queue_id(mem: Stores) -> None:
     assert len(await due_domains(mem)) == 3
 
 
+@pytest.mark.parametrize(
+    "behind",
+    [b"QUIT\r\n", b"RSET\r\nQUIT\r\n", b"MAIL FROM:<a@example.test>\r\n", b"NOOP\r\nQU"],
+)
+async def test_commands_pipelined_behind_the_data_keep_the_resend_protection(
+    mem: Stores, behind: bytes
+) -> None:
+    """RFC 2920 §3.1: the message content may be followed, in the same group, by further
+    commands (QUIT, RSET, the next MAIL), sent before the client could see the 250. They
+    prove nothing: the client that then loses the replies resends, and gets the first id
+    (one copy). A command of a later group does end the protection."""
+    async with running(frontend_settings(dedupe_window_s=60), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<b@dest.example.test>", 250)
+        await w.expect("DATA", 354)
+        await w.send(dot_stuff(MESSAGE) + b".\r\n" + behind)
+        first = queued_id(await w.reply())
+        await w.close()  # the client never read that 250
+        assert await _send_once(server.port, MESSAGE) == first
+        # the resend's session went on to QUIT: that copy's 250 was seen
+        assert await _send_once(server.port, MESSAGE) != first
+    assert len(await entries_of(mem)) == 2
+
+
 async def test_resend_after_the_first_copy_was_delivered_gets_its_id(mem: Stores) -> None:
     """RFC 5321 §6.1: the session broke right after the 250, and by the time the client
     resends, the first copy was delivered and its entry removed (the store keeps its

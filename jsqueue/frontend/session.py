@@ -159,6 +159,7 @@ class InboundSession(SMTP):
         # last 250 until the client sends a further command, and the forget that follows.
         self._queued: tuple[str, str] | None = None
         self._unconfirmed: tuple[str, str] | None = None
+        self._pipelined = 0  # commands already received when the 250 went out
         self._forgetting: asyncio.Task[None] | None = None
 
     # -- connection bookkeeping ---------------------------------------------------------
@@ -267,9 +268,14 @@ class InboundSession(SMTP):
     def _confirm(self) -> None:
         """A further command came after a ``250`` for a message (every command is answered
         through :meth:`push`, or through EHLO/HELO, which call this too): the client saw
-        that 250, so its resend protection ends, in the background. A session that breaks
-        right after a 250 never gets here and keeps it (:meth:`Ingest.forget`)."""
+        that 250, so its resend protection ends, in the background. Commands that had
+        already arrived when the 250 went out (pipelined behind the data, RFC 2920 §3.1)
+        prove nothing and are not counted. A session that breaks right after a 250 never
+        gets here and keeps it (:meth:`Ingest.forget`)."""
         if self._unconfirmed is None:
+            return
+        if self._pipelined:  # sent in the same group as the data: not after the 250
+            self._pipelined -= 1
             return
         key, queue_id = self._unconfirmed
         self._unconfirmed = None
@@ -594,6 +600,11 @@ class InboundSession(SMTP):
             self._close()
         elif self._queued is not None:  # a 250: protected until a further command comes
             self._unconfirmed, self._queued = self._queued, None
+            # RFC 2920 §3.1: commands may follow the data in the same group (QUIT, the next
+            # MAIL), sent before the client could see the 250; only a later one proves it.
+            buffered = bytes(self._reader._buffer)  # type: ignore[attr-defined]  # aiosmtpd's reader
+            partial = bool(buffered) and not buffered.endswith(b"\n")
+            self._pipelined = buffered.count(b"\n") + partial
 
     async def _receive(self, txn: _Transaction) -> str | None:
         """Read the message after 354 and store it; the reply, or None if already closed.
