@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jsqueue.config import BareLinePolicy
+from jsqueue.delivery.params import orcpt_param
 from jsqueue.envelope import Notify, Recipient, xtext_encode
 from jsqueue.errors import ConfigError, InvalidName
 from jsqueue.frontend.auth import ScryptHash, UserDB, hash_password
@@ -252,6 +253,22 @@ def test_forward_path_rules() -> None:
     assert e.value.reply.code == 501
     cmd = parse_rcpt_to("TO:<bob@dest.example.test> NOTIFY=NEVER ORCPT=rfc822;bob@x.test")
     assert cmd.params == {"NOTIFY": "NEVER", "ORCPT": "rfc822;bob@x.test"}
+
+
+@pytest.mark.parametrize("smtputf8", [False, True])
+def test_a_utf8_orcpt_decodes_its_embedded_unicode_escapes(smtputf8: bool) -> None:
+    """RFC 6533 §3: a ``utf-8`` ORCPT writes non-ASCII characters, and ``+``, ``=`` and
+    ``\\``, as ``\\x{HEX}`` (utf-8-addr-xtext; with SMTPUTF8 utf-8-addr-unitext may mix
+    them with raw UTF-8). They are decoded for the entry, so the next hop gets them encoded
+    once (``\\x{F6}``, not ``\\x{5C}x{F6}``); an ``rfc822`` address keeps a backslash as it
+    is, and a code point that is no character is 501."""
+    got = parse_orcpt("utf-8;j\\x{F6}rg\\x{2B}x\\x{5C}y@example.test", smtputf8=smtputf8)
+    assert got == "utf-8;jörg+x\\y@example.test"
+    assert orcpt_param(got) == "utf-8;j\\x{F6}rg\\x{2B}x\\x{5C}y@example.test"
+    assert parse_orcpt("rfc822;a\\x{41}@x.test", smtputf8=smtputf8) == "rfc822;a\\x{41}@x.test"
+    for bad in ("utf-8;a\\x{110000}@x.test", "utf-8;a\\x{D800}@x.test"):
+        with pytest.raises(SyntaxProblem):
+            parse_orcpt(bad, smtputf8=smtputf8)
 
 
 def test_dsn_parameters() -> None:

@@ -282,8 +282,9 @@ def parse_orcpt(value: str | None, *, smtputf8: bool) -> str:
     """Validate ``ORCPT=addr-type;xtext`` (RFC 3461 §4.2; ``utf-8`` type per RFC 6533 §3).
 
     Returns:
-        ``addr-type;address`` with the xtext decoded: the entry stores decoded values, and
-        the SMTP client re-encodes them for the next hop (RFC 3461 §4.2).
+        ``addr-type;address`` with the xtext decoded (and for ``utf-8`` the RFC 6533
+        ``\\x{HEX}`` escapes): the entry stores decoded values, and the SMTP client
+        re-encodes them for the next hop (RFC 3461 §4.2).
 
     Raises:
         SyntaxProblem: 501 5.5.4.
@@ -300,11 +301,34 @@ def parse_orcpt(value: str | None, *, smtputf8: bool) -> str:
     try:
         xtext_decode("".join(c if c.isascii() else "x" for c in addr))
         decoded = _xtext_decode_mixed(addr)
+        if addr_type.lower() == "utf-8":
+            decoded = _embedded_unicode_decode(decoded)
     except (ValueError, UnicodeDecodeError):
         raise SyntaxProblem(R501_BAD_PARAMETER, "ORCPT address is not valid xtext") from None
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
         raise SyntaxProblem(R501_BAD_PARAMETER, "ORCPT address contains control characters")
     return f"{addr_type};{decoded}"
+
+
+_EMBEDDED_UNICODE_RE = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}")
+
+
+def _embedded_unicode_decode(value: str) -> str:
+    """Decode RFC 6533 §3 ``EmbeddedUnicodeChar`` escapes (``\\x{HEX}``, the code point
+    in 1-6 hex digits) of a ``utf-8`` address, the form a client without SMTPUTF8 must use
+    for non-ASCII characters and for ``+``, ``=`` and ``\\`` themselves.
+
+    Raises:
+        ValueError: a code point beyond U+10FFFF or a surrogate.
+    """
+
+    def char(m: re.Match[str]) -> str:
+        code = int(m.group(1), 16)
+        if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"\\x{{{m.group(1)}}} is not a character")
+        return chr(code)
+
+    return _EMBEDDED_UNICODE_RE.sub(char, value)
 
 
 def _xtext_decode_mixed(value: str) -> str:

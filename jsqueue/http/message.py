@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import Literal
 
-from jsqueue.envelope import Recipient, xtext_encode
+from jsqueue.envelope import Recipient, utf8_addr_xtext, xtext_encode
 from jsqueue.errors import RequestRejected
 from jsqueue.frontend.syntax import SyntaxProblem, parse_envid, parse_mailbox, parse_orcpt
 from jsqueue.http.models import BuiltMessage, InjectBody, RecipientSpec
@@ -106,7 +106,10 @@ def _recipient(spec: RecipientSpec, smtputf8: bool) -> Recipient:
         if not semi:
             raise RequestRejected("orcpt must be 'addr-type;address' (RFC 3461 §4.2)")
         try:
-            orcpt = parse_orcpt(f"{kind};{xtext_encode(addr)}", smtputf8=smtputf8)
+            # the address as given: encoded in the form its type decodes (RFC 6533 §3)
+            utf8 = kind.lower() == "utf-8"
+            encoded = utf8_addr_xtext(addr) if utf8 else xtext_encode(addr)
+            orcpt = parse_orcpt(f"{kind};{encoded}", smtputf8=smtputf8)
         except (SyntaxProblem, UnicodeError) as e:
             raise RequestRejected(f"orcpt of {address}: {e}") from e
     notify = frozenset(spec.notify) if spec.notify is not None else None
