@@ -247,7 +247,8 @@ async def test_mx_addresses_that_reach_no_remote_server_are_not_used(
 ) -> None:
     """RFC 5321 §5.1: an MX at ``0.0.0.0`` or ``::`` (connecting there reaches this host
     itself: a loop), a multicast or the broadcast address is no mail exchanger. A host
-    with only such addresses has no usable address (``5.4.4``); beside
+    with only such addresses (IPv4-mapped ones too), or an address literal of one, has no
+    usable address (``5.4.4``); beside
     a usable one, only the usable one is tried."""
     zone = """
         sink.example.test.   300 IN MX 10 zero.example.test.
@@ -257,6 +258,8 @@ async def test_mx_addresses_that_reach_no_remote_server_are_not_used(
         many.example.test.   300 IN A 224.0.0.1
         many.example.test.   300 IN A 255.255.255.255
         many.example.test.   300 IN A 127.0.2.7
+        mapped.example.test. 300 IN MX 10 v6.example.test.
+        v6.example.test.     300 IN AAAA ::ffff:0.0.0.0
     """
     with DnsServer(zone) as dns:
         resolver = resolver_for(dns)
@@ -265,6 +268,10 @@ async def test_mx_addresses_that_reach_no_remote_server_are_not_used(
         assert perm.value.reply.enhanced == "5.4.4"
         assert "zero.example.test has no usable address (0.0.0.0, ::)" in caplog.text
         assert [t.address for t in await resolver.resolve("odd.example.test")] == ["127.0.2.7"]
+        for unusable in ("mapped.example.test", "[0.0.0.0]", "[IPv6:::]", "[IPv6:::ffff:0.0.0.0]"):
+            with pytest.raises(PermanentDeliveryError) as perm:
+                await resolver.resolve(unusable)
+            assert perm.value.reply.enhanced == "5.4.4", unusable
 
 
 async def test_smarthost_and_static_resolvers(dns: DnsServer) -> None:

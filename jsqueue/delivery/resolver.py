@@ -181,6 +181,9 @@ class DnsResolver:
         """
         literal = _literal_address(domain.strip())
         if literal is not None:
+            if not _usable(literal):
+                detail = f"{domain.strip()} is no remote address"
+                raise PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, detail))
             return [MxTarget(host=domain.strip().lower(), address=literal)]
         name = _ascii_domain(domain)
         try:
@@ -351,11 +354,14 @@ class DnsResolver:
 
 
 def _usable(address: str) -> bool:
-    """Whether a mail exchanger's address can be a remote SMTP server: not unspecified
-    (``0.0.0.0``, ``::``: connecting reaches this host), multicast or the limited
-    broadcast address (RFC 5321 §5.1: an MX pointing back at the sender is a loop)."""
+    """Whether a mail exchanger's address (or an address literal's) can be a remote SMTP
+    server: not unspecified (``0.0.0.0``, ``::``, also IPv4-mapped: connecting reaches
+    this host), multicast or the limited broadcast address (RFC 5321 §5.1: an MX pointing
+    back at the sender is a loop)."""
     ip = ipaddress.ip_address(address)
-    return not (ip.is_unspecified or ip.is_multicast or address == "255.255.255.255")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:0.0.0.0 is 0.0.0.0
+    return not (ip.is_unspecified or ip.is_multicast or str(ip) == "255.255.255.255")
 
 
 class StaticResolver:
