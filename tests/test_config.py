@@ -344,3 +344,16 @@ def test_every_known_variable_is_accepted_and_an_unknown_one_refused(
     monkeypatch.setenv("JSQUEUE_WORKER__SMARTHOST__PORTS", "25")
     with pytest.raises(ConfigError, match=r"^JSQUEUE_WORKER__SMARTHOST__PORTS: no such setting"):
         load_settings()
+
+
+def test_the_dedupe_window_is_no_longer_than_the_delete_marker_lives() -> None:
+    """A resend of a message delivered meanwhile is known as a copy by its entry's delete
+    marker (RFC 5321 §6.1): a window longer than the marker's life would queue it again, so
+    the setting stops at that life, and a longer value is one line naming it."""
+    from jsqueue.config.sections import DEDUPE_WINDOW_MAX_S
+    from jsqueue.store.jetstream.entries import DELETE_MARKER_TTL_S
+
+    assert DEDUPE_WINDOW_MAX_S == DELETE_MARKER_TTL_S
+    assert SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S).dedupe_window_s == 900
+    with pytest.raises(ValidationError, match="dedupe_window_s"):
+        SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S + 1)

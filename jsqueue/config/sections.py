@@ -259,6 +259,12 @@ def _loopback_networks() -> list[IPv4Network | IPv6Network]:
     return [IPv4Network("127.0.0.0/8"), IPv6Network("::1/128")]
 
 
+#: The longest ``smtp.dedupe_window_s``, seconds: a resend of a message delivered meanwhile
+#: is known as a copy by its entry's delete marker, which lives this long (the entry store's
+#: ``DELETE_MARKER_TTL_S``; a test holds the two equal).
+DEDUPE_WINDOW_MAX_S = 900.0
+
+
 class SmtpSettings(_Section):
     """The SMTP front end."""
 
@@ -294,7 +300,13 @@ class SmtpSettings(_Section):
     tls_key: Path | None = Field(None, description="PEM private key for STARTTLS")
     require_tls: bool = Field(False, description="refuse MAIL before STARTTLS")
     auth_file: Path | None = Field(None, description="user:hash lines; AUTH disabled when unset")
-    dedupe_window_s: float = Field(120.0, ge=0, description="idempotent-ingest window, seconds")
+    dedupe_window_s: float = Field(
+        120.0,
+        ge=0,
+        le=DEDUPE_WINDOW_MAX_S,
+        description="idempotent-ingest window, seconds; at most 900, the life of the delete "
+        "marker that shows a resent message was stored and delivered",
+    )
     store_timeout_s: float = Field(30.0, gt=0, description="max time to store before 451")
     inline_body_max: int = Field(
         0,
