@@ -324,7 +324,7 @@ def test_what_remote_parties_wrote_reaches_the_terminal_escaped() -> None:
     ``queue ls`` and ``events tail`` print their control characters escaped (no ESC, BEL,
     CR or C1 control reaches the terminal; a title, cursor or clipboard sequence is shown,
     not obeyed), and an undecodable octet does not make the print fail."""
-    from jsqueue.cli.render import render_detail, render_entry_lines, render_event
+    from jsqueue.cli.render import json_safe, render_detail, render_entry_lines, render_event
     from jsqueue.store.base import Versioned
 
     hostile = "\x1b]0;pwned\x07\x1b[2J\r\x9b\udcff"
@@ -343,6 +343,11 @@ def test_what_remote_parties_wrote_reaches_the_terminal_escaped() -> None:
     assert "helo evil\\x1b]0;pwned\\x07\\x1b[2J\\r\\x9b\\udcff.example" in text
     assert "why\\x1b]0;pwned" in render_event(event)
     text.encode("utf-8")  # printable as it is
+    # --json: DEL and C1 controls, which JSON leaves raw, as \u escapes; the same JSON
+    raw = event.model_copy(update={"detail": "a\x7fb\x9bc"}).to_json().decode()
+    safe = json_safe(raw)
+    assert "\x7f" not in safe and "\x9b" not in safe and "\\u009b" in safe
+    assert json.loads(safe) == json.loads(raw)
 
 
 async def test_version() -> None:

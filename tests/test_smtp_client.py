@@ -1049,3 +1049,24 @@ async def test_cached_plaintext_session_is_not_used_for_a_domain_requiring_tls(
         assert [len(s.transactions) for s in mx.sessions] == [1, 2]
         assert [t.tls for t in mx.transactions] == [False, True, True]
     await cache.close()
+
+
+async def test_reply_text_is_recorded_without_control_characters() -> None:
+    """A next hop's reply text goes into the entry, DSNs, log lines and operators'
+    terminals: C0 controls (ESC, BEL), DEL and the C1 controls (a one-octet CSI) become
+    spaces, octets that are not UTF-8 the replacement character; the code and the text
+    around them stay (RFC 5321 §4.2: the text is for humans, its codes are what count)."""
+    host = "127.0.2.83"
+    port = shared_port([host])
+    rcpt = "bob@ctl.example.test"
+    hostile = "550 5.1.1 no\x1b[2J such\x07 user\x7f here\u009b31m"
+    async with ScriptedMx(host, port, rcpt_replies={rcpt: hostile}):
+        result = await deliver(
+            target("mx.ctl.example.test", host),
+            envelope(rcpt),
+            BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n"),
+            settings_for(port),
+        )
+    reply = result.replies[rcpt]
+    assert (reply.code, reply.enhanced, reply.is_permanent) == (550, "5.1.1", True)
+    assert reply.text == "no [2J such  user  here 31m"

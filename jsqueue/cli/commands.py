@@ -28,6 +28,7 @@ from jsqueue.admin import EntryFilter, parse_duration
 from jsqueue.cli import dest
 from jsqueue.cli.render import (
     LS_HEADER,
+    json_safe,
     render_counts,
     render_detail,
     render_entry_lines,
@@ -320,7 +321,7 @@ def _filter(
 
 
 def _echo_json(model: BaseModel) -> None:
-    typer.echo(model.model_dump_json())
+    typer.echo(json_safe(model.model_dump_json()))
 
 
 @queue_app.command("ls")
@@ -624,7 +625,8 @@ def events_tail(
             )
             async with contextlib.aclosing(stream) as events:
                 async for event in events:
-                    typer.echo(event.to_json().decode() if as_json else render_event(event))
+                    line = json_safe(event.to_json().decode()) if as_json else render_event(event)
+                    typer.echo(line)
                     sys.stdout.flush()
                     seen += 1
                     if count is not None and seen >= count:

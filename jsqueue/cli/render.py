@@ -29,6 +29,16 @@ def terminal_safe(text: str) -> str:
     return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
+#: What JSON leaves raw in a string and a terminal acts on: DEL and the C1 controls.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f]")
+
+
+def json_safe(text: str) -> str:
+    """A JSON document with DEL and the C1 controls in its strings written as ``\\u00XX``
+    (the same JSON; JSON escapes the C0 controls itself), for printing on a terminal. Pure."""
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def _safe(lines: list[str]) -> list[str]:
     return [terminal_safe(line) for line in lines]
 

@@ -60,9 +60,12 @@ def hop_reply(base: Reply, relay: bool) -> Reply:
 
 
 def _clean(text: str) -> str:
-    """Server text as valid UTF-8 without control characters (it goes into JSON and DSNs)."""
+    """Server text as valid UTF-8 without control characters, C0, DEL or C1 (it goes into
+    JSON, DSNs, log lines and operators' terminals)."""
     text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    return "".join(c if c >= " " or c == "\n" else " " for c in text)
+    return "".join(
+        c if c == "\n" or (c >= " " and not "\x7f" <= c <= "\x9f") else " " for c in text
+    )
 
 
 def to_reply(
