@@ -229,7 +229,8 @@ async def test_rcpt_to_postmaster_without_a_domain_is_accepted(
     """RFC 5321 §4.1.1.3, §4.5.1: ``RCPT TO:<Postmaster>`` (no domain, any case) MUST be
     accepted; it is queued for ``smtp.postmaster`` (by default postmaster at the front
     end's own name), also from a client that may not relay: the postmaster is this
-    system's own mailbox. Any other address without a domain is still refused."""
+    system's own mailbox; so is ``postmaster@<smtp.hostname>`` in any case (§4.5.1). Any
+    other address without a domain is still refused."""
     settings = frontend_settings(relay_networks=["192.0.2.0/24"], postmaster=configured)
     async with running(settings, mem) as server:
         w = await Wire.connect(server.port)
@@ -238,6 +239,7 @@ async def test_rcpt_to_postmaster_without_a_domain_is_accepted(
         await w.expect("RCPT TO:<someone>", 501)
         await w.expect("RCPT TO:<b@dest.example.test>", 554)  # no relaying for it
         await w.expect("RCPT TO:<PostMaster>", 250)
+        await w.expect("RCPT TO:<POSTMASTER@MX.jsqueue.test>", 250)  # the same mailbox
         await w.expect("DATA", 354)
         await w.send(dot_stuff(MESSAGE) + b".\r\n")
         assert (await w.reply()).code == 250

@@ -530,7 +530,7 @@ class InboundSession(SMTP):
             return
         try:
             postmaster = self._settings.postmaster or f"postmaster@{self.hostname}"
-            cmd = parse_rcpt_to(arg, postmaster)
+            cmd = parse_rcpt_to(arg, postmaster, self.hostname)
             if cmd.params and not self.session.extended_smtp:
                 raise SyntaxProblem(R555_UNKNOWN_PARAMETER, "Parameters need EHLO")
             require_utf8_allowed(cmd.path, txn.smtputf8)

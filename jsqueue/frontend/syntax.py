@@ -170,7 +170,12 @@ def parse_params(text: str) -> dict[str, str | None]:
 
 
 def _path_command(
-    arg: str | None, keyword: str, *, reverse: bool, postmaster: str | None = None
+    arg: str | None,
+    keyword: str,
+    *,
+    reverse: bool,
+    postmaster: str | None = None,
+    own_domain: str | None = None,
 ) -> Command:
     bad = R501_BAD_REVERSE_PATH if reverse else R501_BAD_FORWARD_PATH
     if not arg or arg[: len(keyword)].upper() != keyword:
@@ -191,8 +196,9 @@ def _path_command(
         return Command(Path("", "", False), params)
     route = _ROUTE_RE.match(inner)
     mailbox = inner[route.end() :] if route else inner
-    if postmaster is not None and mailbox.lower() == "postmaster":
-        mailbox = postmaster  # RFC 5321 §4.1.1.3: <Postmaster> without a domain
+    mine = ("postmaster", f"postmaster@{own_domain}".lower() if own_domain else None)
+    if postmaster is not None and mailbox.lower() in mine:
+        mailbox = postmaster  # RFC 5321 §4.1.1.3, §4.5.1: this system's postmaster
     if any("\udc80" <= ch <= "\udcff" for ch in mailbox):
         raise SyntaxProblem(bad, f"{bad.text}: not valid UTF-8")
     try:
@@ -214,7 +220,9 @@ def parse_mail_from(arg: str | None) -> Command:
     return _path_command(arg, "FROM:", reverse=True)
 
 
-def parse_rcpt_to(arg: str | None, postmaster: str | None = None) -> Command:
+def parse_rcpt_to(
+    arg: str | None, postmaster: str | None = None, own_domain: str | None = None
+) -> Command:
     """Parse the argument of ``RCPT`` (``TO:<forward-path> [params]``; RFC 5321 §4.1.1.3).
 
     Args:
@@ -222,12 +230,14 @@ def parse_rcpt_to(arg: str | None, postmaster: str | None = None) -> Command:
         postmaster: the address ``RCPT TO:<Postmaster>`` (no domain, any case) stands for:
             RFC 5321 §4.1.1.3 and §4.5.1 require it to be accepted; None refuses it as an
             address without a domain.
+        own_domain: this system's own name (``smtp.hostname``): ``postmaster@`` it, in
+            any case, stands for ``postmaster`` too (§4.5.1).
 
     Raises:
         SyntaxProblem: 501 5.1.3 for a malformed or null path, 553 5.1.3 for an unroutable
             domain, 501 5.5.4 for malformed parameters.
     """
-    return _path_command(arg, "TO:", reverse=False, postmaster=postmaster)
+    return _path_command(arg, "TO:", reverse=False, postmaster=postmaster, own_domain=own_domain)
 
 
 def require_utf8_allowed(path: Path, smtputf8: bool) -> None:
