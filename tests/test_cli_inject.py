@@ -119,6 +119,9 @@ async def test_inject_exit_statuses(nats_server: EmbeddedNats, names: Names) -> 
     code, _, err = await run("inject", "-t", env=env, stdin=b"To: bad <<x>\nSubject: x\n\nx\n")
     assert code == 67, err
     assert "validation error" not in err and "recipient 'x'" in err, err
+    # -t with a To: that is not UTF-8 (RFC 6532 §3.2): 65, no recipient guessed from it
+    code, _, err = await run("inject", "-t", env=env, stdin=b"To: \xff@b.example\n\nx\n")
+    assert code == 65 and "the To field is not UTF-8" in err, err
     code, _, err = await run("inject", "a@b.example", env=env, stdin=b"Subject: x\r\rbad\n")
     assert code == 65 and "bare CR" in err
     code, _, err = await run("inject", "a@b.example", env=env, stdin=b"x" * 1200 + b"\n")

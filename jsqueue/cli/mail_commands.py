@@ -155,11 +155,25 @@ _HEADER_END = re.compile(rb"\r\n\r\n")
 
 def header_recipients(data: bytes) -> tuple[list[str], bytes]:
     """``-t``: the addresses of To, Cc and Bcc (RFC 5322 §3.6.3), and the message with its
-    Bcc fields removed (the rest byte for byte). ``data`` has CRLF line ends."""
+    Bcc fields removed (the rest byte for byte). ``data`` has CRLF line ends.
+
+    Raises:
+        RequestRejected: a To, Cc or Bcc field is not UTF-8 (RFC 6532 §3.2), so its
+            addresses cannot be known (they are never guessed).
+    """
     m = _HEADER_END.search(data)
     head, body = (data[: m.end()], data[m.end() :]) if m else (data, b"")
     parsed = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(head)
-    values = [str(v) for f in ("to", "cc", "bcc") for v in parsed.get_all(f, [])]
+    values = []
+    raw_items = list(parsed.raw_items())  # octets beyond ASCII kept as surrogates
+    for field in ("to", "cc", "bcc"):
+        for name, raw in raw_items:
+            if name.lower() != field:
+                continue
+            try:
+                values.append(raw.encode("ascii", "surrogateescape").decode("utf-8"))
+            except UnicodeError:
+                raise RequestRejected(f"-t: the {name} field is not UTF-8") from None
     addresses = [a for _, a in email.utils.getaddresses(values) if a]
     kept: list[bytes] = []
     skipping = False
@@ -214,7 +228,11 @@ def _inject_main(argv: list[str]) -> int:
         return EX_DATAERR
     addresses = list(args.recipients)
     if args.t:
-        found, data = header_recipients(data)
+        try:
+            found, data = header_recipients(data)
+        except RequestRejected as e:
+            typer.echo(f"jsqueue inject: {e}", err=True)
+            return EX_DATAERR
         addresses += found
     if not addresses:
         typer.echo("jsqueue inject: no recipients (give them, or -t)", err=True)
