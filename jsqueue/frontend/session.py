@@ -19,9 +19,9 @@ import hashlib
 import ipaddress
 import logging
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
-from aiosmtpd.smtp import SMTP, Envelope, syntax
+from aiosmtpd.smtp import SMTP, syntax
 
 from jsqueue.envelope import Recipient, utcnow
 from jsqueue.frontend.data import DataDecoder
@@ -38,7 +38,14 @@ from jsqueue.frontend.syntax import (
     parse_size,
     require_utf8_allowed,
 )
-from jsqueue.frontend.wire import is_closing, printable, reply_line, with_enhanced_code
+from jsqueue.frontend.transaction import ExceptionHook, Transaction, client_ip
+from jsqueue.frontend.wire import (
+    commands_in,
+    is_closing,
+    printable,
+    reply_line,
+    with_enhanced_code,
+)
 from jsqueue.names import new_queue_id
 from jsqueue.replies import (
     R235_AUTH_OK,
@@ -50,7 +57,6 @@ from jsqueue.replies import (
     R421_SHUTTING_DOWN,
     R421_TIMEOUT,
     R421_TOO_MANY_SESSIONS,
-    R451_LOCAL_ERROR,
     R452_TOO_MANY_RECIPIENTS,
     R501_BAD_BASE64,
     R501_BAD_PARAMETER,
@@ -85,37 +91,6 @@ READ_SIZE = 64 * 1024
 EXTENDED_COMMAND_LIMIT = 1000
 
 
-class _Transaction(Envelope):
-    """One mail transaction (RFC 5321 §3.3): aiosmtpd resets it on RSET/EHLO/STARTTLS."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reverse_path: str | None = None
-        self.recipients: list[Recipient] = []
-        self.seen: set[tuple[str, str]] = set()
-        self.smtputf8 = False
-        self.ret: Literal["FULL", "HDRS"] | None = None
-        self.envid: str | None = None
-
-
-class _ExceptionHook:
-    """aiosmtpd handler: turns an unexpected error in a command into a 451 (logged)."""
-
-    async def handle_exception(self, error: Exception) -> str:
-        log.error("SMTP command failed unexpectedly", exc_info=error)
-        return str(R451_LOCAL_ERROR)
-
-
-def _client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        ip = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
-    except (TypeError, IndexError, ValueError):
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
 class InboundSession(SMTP):
     """One inbound SMTP connection (RFC 5321 server side) on the front end's event loop.
 
@@ -131,7 +106,7 @@ class InboundSession(SMTP):
         """
         s = server.settings
         super().__init__(
-            _ExceptionHook(),
+            ExceptionHook(),
             data_size_limit=s.max_message_size,
             enable_SMTPUTF8=True,
             hostname=s.hostname,
@@ -168,7 +143,7 @@ class InboundSession(SMTP):
         first = self.transport is None and self._original_transport is None
         super().connection_made(transport)
         if first:
-            self._ip = _client_ip(transport.get_extra_info("peername"))
+            self._ip = client_ip(transport.get_extra_info("peername"))
             self._refused = not self._server.admit(self)
 
     def connection_lost(self, error: Exception | None) -> None:
@@ -191,17 +166,17 @@ class InboundSession(SMTP):
             self._writer.write(f"{R421_TIMEOUT}\r\n".encode())
             self._close()
 
-    def _create_envelope(self) -> _Transaction:
-        return _Transaction()
+    def _create_envelope(self) -> Transaction:
+        return Transaction()
 
     def _close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
-    def _transaction(self) -> _Transaction:
+    def _transaction(self) -> Transaction:
         # A method, not a property: aiosmtpd's __init__ evaluates every attribute
         # (inspect.getmembers) before the first envelope exists.
-        assert isinstance(self.envelope, _Transaction)
+        assert isinstance(self.envelope, Transaction)
         return self.envelope
 
     def begin_shutdown(self) -> None:
@@ -252,7 +227,7 @@ class InboundSession(SMTP):
         code = text[:3]
         if not (code.isdigit() and code[0] in "45"):
             return
-        txn = self.envelope if isinstance(self.envelope, _Transaction) else None
+        txn = self.envelope if isinstance(self.envelope, Transaction) else None
         sender = txn.reverse_path if txn is not None else None
         log.info(
             "smtp rejection client=%s reply=%r from=%s rcpts=%d",
@@ -268,10 +243,9 @@ class InboundSession(SMTP):
     def _confirm(self) -> None:
         """A further command came after a ``250`` for a message (every command is answered
         through :meth:`push`, or through EHLO/HELO, which call this too): the client saw
-        that 250, so its resend protection ends, in the background. Commands that had
-        already arrived when the 250 went out (pipelined behind the data, RFC 2920 §3.1)
-        prove nothing and are not counted. A session that breaks right after a 250 never
-        gets here and keeps it (:meth:`Ingest.forget`)."""
+        that 250, so its resend protection ends, in the background; not those already
+        received when the 250 went out (RFC 2920 §3.1). A session that breaks right after a
+        250 never gets here and keeps it (:meth:`Ingest.forget`)."""
         if self._unconfirmed is None:
             return
         if self._pipelined:  # sent in the same group as the data: not after the 250
@@ -600,13 +574,10 @@ class InboundSession(SMTP):
             self._close()
         elif self._queued is not None:  # a 250: protected until a further command comes
             self._unconfirmed, self._queued = self._queued, None
-            # RFC 2920 §3.1: commands may follow the data in the same group (QUIT, the next
-            # MAIL), sent before the client could see the 250; only a later one proves it.
-            buffered = bytes(self._reader._buffer)  # type: ignore[attr-defined]  # aiosmtpd's reader
-            partial = bool(buffered) and not buffered.endswith(b"\n")
-            self._pipelined = buffered.count(b"\n") + partial
+            # pipelined behind the data: sent before the 250 could be seen (RFC 2920 §3.1)
+            self._pipelined = commands_in(self._reader._buffer)  # type: ignore[attr-defined]
 
-    async def _receive(self, txn: _Transaction) -> str | None:
+    async def _receive(self, txn: Transaction) -> str | None:
         """Read the message after 354 and store it; the reply, or None if already closed.
 
         Raises:

@@ -1,7 +1,8 @@
 """Reply lines as the front end puts them on the wire: the table's replies rendered
 (:func:`reply_line`), enhanced status codes added where aiosmtpd's own replies lack them
 (:func:`with_enhanced_code`, RFC 2034 §4), lines cut to what RFC 5321 allows
-(:func:`printable`), and the QUIT reply recognised (:func:`is_closing`). Pure, no I/O.
+(:func:`printable`), the QUIT reply recognised (:func:`is_closing`), and the commands a
+client has already sent counted (:func:`commands_in`). Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -50,3 +51,10 @@ def is_closing(status: str | bytes) -> bool:
     return (
         status[:3] if isinstance(status, str) else status[:3].decode("ascii", "replace")
     ) == "221"
+
+
+def commands_in(buffered: bytes) -> int:
+    """How many commands ``buffered`` (received, not yet read) holds, a partial last line
+    counted: commands the client sent before it could see the reply now going out (RFC
+    2920 §3.1: the message content may be followed by further commands in its group)."""
+    return buffered.count(b"\n") + (bool(buffered) and not buffered.endswith(b"\n"))

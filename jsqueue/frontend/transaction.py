@@ -1,0 +1,50 @@
+"""The state a front-end session keeps per mail transaction (:class:`Transaction`, RFC
+5321 §3.3), the client's address from its peer name (:func:`client_ip`), and the aiosmtpd
+handler that turns an unexpected error in a command into a ``451`` (:class:`ExceptionHook`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Any, Literal
+
+from aiosmtpd.smtp import Envelope
+
+from jsqueue.envelope import Recipient
+from jsqueue.replies import R451_LOCAL_ERROR
+
+log = logging.getLogger("jsqueue.frontend.session")
+
+
+class Transaction(Envelope):
+    """One mail transaction (RFC 5321 §3.3): aiosmtpd resets it on RSET/EHLO/STARTTLS."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reverse_path: str | None = None
+        self.recipients: list[Recipient] = []
+        self.seen: set[tuple[str, str]] = set()
+        self.smtputf8 = False
+        self.ret: Literal["FULL", "HDRS"] | None = None
+        self.envid: str | None = None
+
+
+class ExceptionHook:
+    """aiosmtpd handler: turns an unexpected error in a command into a 451 (logged)."""
+
+    async def handle_exception(self, error: Exception) -> str:
+        log.error("SMTP command failed unexpectedly", exc_info=error)
+        return str(R451_LOCAL_ERROR)
+
+
+def client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The client's address from a transport's peer name (an IPv4-mapped IPv6 address as
+    the IPv4 address, a scope id dropped); None when it has none (a socket pair)."""
+    try:
+        ip = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
+    except (TypeError, IndexError, ValueError):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
