@@ -241,7 +241,7 @@ async def test_rcpt_to_postmaster_without_a_domain_is_accepted(
         await w.expect("RCPT TO:<PostMaster>", 250)
         await w.expect("RCPT TO:<POSTMASTER@MX.jsqueue.test>", 250)  # the same mailbox
         await w.expect("DATA", 354)
-        await w.send(dot_stuff(MESSAGE) + b".\r\n")
+        await w.send(dot_stuff(MESSAGE))
         assert (await w.reply()).code == 250
     entry = (await entries_of(mem))[0]
     assert [r.address for r in entry.recipients] == [queued_for]
@@ -808,13 +808,36 @@ async def test_commands_pipelined_behind_the_data_keep_the_resend_protection(
         await w.expect("MAIL FROM:<a@example.test>", 250)
         await w.expect("RCPT TO:<b@dest.example.test>", 250)
         await w.expect("DATA", 354)
-        await w.send(dot_stuff(MESSAGE) + b".\r\n" + behind)
+        await w.send(dot_stuff(MESSAGE) + behind)
         first = queued_id(await w.reply())
         await w.close()  # the client never read that 250
         assert await _send_once(server.port, MESSAGE) == first
         # the resend's session went on to QUIT: that copy's 250 was seen
         assert await _send_once(server.port, MESSAGE) != first
     assert len(await entries_of(mem)) == 2
+
+
+async def test_two_identical_messages_pipelined_in_one_group_are_both_queued(
+    mem: Stores,
+) -> None:
+    """RFC 2920 §3.1: the second transaction pipelined behind the first one's data, with
+    the same envelope and content, is a second message, not a resend of the first (which
+    would come on a new connection): two 250s with two ids, two entries."""
+    async with running(frontend_settings(dedupe_window_s=60), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<b@dest.example.test>", 250)
+        await w.expect("DATA", 354)
+        group = b"MAIL FROM:<a@example.test>\r\nRCPT TO:<b@dest.example.test>\r\nDATA\r\n"
+        await w.send(dot_stuff(MESSAGE) + group)
+        first = queued_id(await w.reply())
+        assert [(await w.reply()).code for _ in range(3)] == [250, 250, 354]
+        await w.send(dot_stuff(MESSAGE))
+        second = queued_id(await w.reply())
+        await w.expect("QUIT", 221)
+    assert first != second
+    assert {e.id for e in await entries_of(mem)} == {first, second}
 
 
 async def test_resend_after_the_first_copy_was_delivered_gets_its_id(mem: Stores) -> None:

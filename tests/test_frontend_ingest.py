@@ -147,6 +147,39 @@ async def test_a_resend_after_a_failed_ingest_is_stored() -> None:
     assert len(await due_domains(faulty.inner)) == 2
 
 
+async def test_a_failed_ingest_whose_entry_stays_keeps_its_body() -> None:
+    """The work item failed (451), and removing the entry failed too (NATS in trouble):
+    the entry may be there when the client resends, and the resend is answered with its
+    id. So the body stays with it (the reconciler puts the work items back and the message
+    is delivered once), never an id with no body behind it."""
+    faulty = FaultyStores()
+    ingest = Ingest(frontend_settings(dedupe_window_s=60), faulty.stores)
+    faulty.fault("schedule").fail = True
+    faulty.fault("discard").fail = True
+    upload = ingest.upload(new_queue_id())
+    await upload.write(MESSAGE)
+    with pytest.raises(NotQueued):
+        await ingest.commit(upload, submission())
+    faulty.fault("schedule").fail = faulty.fault("discard").fail = False
+    assert await ingest_once(ingest, submission()) == upload.queue_id
+    assert (await read_body(faulty.inner, upload.queue_id)) == MESSAGE
+
+
+async def test_the_same_message_twice_in_one_session_is_two_messages(stores: Stores) -> None:
+    """A resend comes on a new connection (RFC 5321 §6.1): a message identical to one this
+    session queued before (a script sending the same text twice, pipelined behind the
+    first, RFC 2920 §3.1) is a message of its own, stored under its own id."""
+    if stores.ingest is None:
+        pytest.skip("backend without an ingest log")
+    ingest = Ingest(frontend_settings(dedupe_window_s=60), stores)
+    first = await ingest_once(ingest, submission())
+    upload = ingest.upload(new_queue_id())
+    await upload.write(MESSAGE)
+    second = await ingest.commit(upload, submission(), [first])
+    assert second == upload.queue_id != first
+    assert len(await stores.entries.page()) == 2
+
+
 @pytest.mark.parametrize("step", ["put", "create", "schedule"])
 async def test_storage_failure_is_451_and_leaves_nothing(step: str) -> None:
     """DESIGN.md §2.1: if any store fails the answer is 451 4.3.0, never 250, and what was

@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -300,7 +300,7 @@ class Ingest:
             self._stores.bodies, queue_id, s.store_timeout_s, inline_max=s.inline_body_max
         )
 
-    async def _earlier_copy(self, key: str, queue_id: str) -> str | None:
+    async def _earlier_copy(self, key: str, queue_id: str, mine: Container[str]) -> str | None:
         """The queue id of an identical message queued within the window, if any; else
         ``queue_id`` is recorded under ``key`` (one write: :meth:`IngestLog.claim`).
 
@@ -314,7 +314,7 @@ class Ingest:
         assert self._log is not None
         try:
             found = await self._log.claim(key, queue_id, self._settings.dedupe_window_s)
-            if found is None:
+            if found is None or found in mine:
                 return None
             await self._stores.entries.get(found)
         except EntryDeleted:
@@ -358,7 +358,7 @@ class Ingest:
         except (JsqueueError, TimeoutError, OSError) as e:
             log.warning("%s: ingest record kept (forgetting it failed: %s)", queue_id, reason(e))
 
-    async def commit(self, upload: BodyUpload, mail: Submission) -> str:
+    async def commit(self, upload: BodyUpload, mail: Submission, mine: Container[str] = ()) -> str:
         """Store body, entry and work items of one message; the queue id for the 250.
 
         Steps, all within ``smtp.store_timeout_s``: finish the body upload while claiming
@@ -371,6 +371,10 @@ class Ingest:
             upload: the message written so far (``Received:`` first); finished or aborted
                 here, so it must not be used afterwards.
             mail: the transaction (at least one recipient).
+            mine: queue ids the same client session queued before: an identical message
+                naming one of them is not a resend (a client resends on a new connection,
+                RFC 5321 §6.1) but a message of its own, as when a script sends the same
+                text twice in one session, pipelined (RFC 2920 §3.1).
 
         Returns:
             ``upload.queue_id``, or the queue id of an identical message queued within
@@ -391,7 +395,7 @@ class Ingest:
                 # Body and ingest-log claim at the same time; the entry and the work items
                 # once the body is stored (an entry never names a body that failed).
                 body = asyncio.ensure_future(upload.finish())
-                earlier = await self._earlier_copy(key, queue_id) if key is not None else None
+                earlier = await self._earlier_copy(key, queue_id, mine) if key else None
                 if earlier is not None:
                     await _stopped(body)
                     await upload.abort()
@@ -475,16 +479,24 @@ class Ingest:
         if stage != "body":
             try:
                 async with asyncio.timeout(self._settings.store_timeout_s):
-                    await asyncio.gather(
+                    discarded, _ = await asyncio.gather(
                         # no delete marker: to a resend, this message was never stored
                         self._stores.entries.discard(queue_id),
                         self._stores.scheduler.cancel(queue_id),
+                        return_exceptions=True,
                     )
-            except (JsqueueError, TimeoutError, OSError) as e:
+                failed = discarded
+            except TimeoutError as e:
+                failed = e
+            if isinstance(failed, BaseException):
+                # The entry may still be there, and a resend may be answered with its id:
+                # it keeps its body, so the reconciler delivers it (once) rather than the
+                # resend getting an id with nothing behind it.
                 log.warning(
-                    "%s: removing the entry after a failed ingest failed (%s); left for "
-                    "the queue's orphan sweep",
+                    "%s: removing the entry after a failed ingest failed (%s); entry and "
+                    "body left for the reconciler",
                     queue_id,
-                    reason(e),
+                    reason(failed),
                 )
+                return
         await upload.abort()

@@ -18,7 +18,7 @@ import base64
 import hashlib
 import ipaddress
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import TYPE_CHECKING
 
 from aiosmtpd.smtp import SMTP, syntax
@@ -84,6 +84,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Queue ids a session remembers as its own (an identical message later in the same
+#: session is a message of its own, never a resend; RFC 5321 §6.1).
+MINE = 1000
 #: Octets read from the socket per step while receiving DATA.
 READ_SIZE = 64 * 1024
 #: Longest MAIL/RCPT/AUTH command line accepted after EHLO (RFC 5321 §4.5.3.1.4 allows
@@ -135,6 +138,7 @@ class InboundSession(SMTP):
         self._queued: tuple[str, str] | None = None
         self._unconfirmed: tuple[str, str] | None = None
         self._pipelined = 0  # commands already received when the 250 went out
+        self._mine: deque[str] = deque(maxlen=MINE)  # queued in this session: no resends
         self._forgetting: asyncio.Task[None] | None = None
 
     # -- connection bookkeeping ---------------------------------------------------------
@@ -663,11 +667,12 @@ class InboundSession(SMTP):
             # store_timeout_s), so the same transaction sent again here is new mail.
             await asyncio.wait({self._forgetting})
         try:
-            queued = await self._server.ingest.commit(upload, mail)
+            queued = await self._server.ingest.commit(upload, mail, self._mine)
         except NotQueued as e:
             return reply_line(e.reply)
         finally:
             self._reset_timeout()
         key = self._server.ingest.key_for(mail)
         self._queued = (key, queued) if key is not None else None
+        self._mine.append(queued)
         return reply_line(R250_QUEUED, f"{R250_QUEUED.text} {queued}")

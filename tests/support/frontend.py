@@ -287,8 +287,8 @@ class Fault:
 
 @dataclass
 class FaultyStores:
-    """Memory stores with injectable faults per step (``put``, ``create``, ``schedule``,
-    ``lookup``, ``record``); :attr:`stores` is what the front end gets."""
+    """Memory stores with injectable faults per step (``put``, ``create``, ``discard``,
+    ``schedule``, ``lookup``, ``record``); :attr:`stores` is what the front end gets."""
 
     inner: Stores = field(default_factory=open_memory)
     faults: dict[str, Fault] = field(default_factory=dict)
@@ -343,6 +343,10 @@ class FaultyStores:
             async def create(self, entry: Entry) -> int:
                 await outer._step("create")
                 return await inner.entries.create(entry)
+
+            async def discard(self, queue_id: str) -> None:
+                await outer._step("discard")
+                await inner.entries.discard(queue_id)
 
         class Scheduler:
             def __getattr__(self, name: str) -> Any:
