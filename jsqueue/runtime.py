@@ -223,7 +223,7 @@ async def run_services(
             owner = "-"
             if smtp:
                 server = await serve_smtp(
-                    settings.smtp, stores, tel.observer, on_reject=tel.metrics.rejected
+                    settings.front_end(), stores, tel.observer, on_reject=tel.metrics.rejected
                 )
                 stack.push_async_callback(server.stop)
                 tel.health.set("smtp", True)

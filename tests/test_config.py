@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from test_cli import cli_env, jsqueue
 
 from jsqueue.config import (
+    DsnSettings,
     HttpSettings,
     NatsSettings,
     Settings,
@@ -357,3 +358,14 @@ def test_the_dedupe_window_is_no_longer_than_the_delete_marker_lives() -> None:
     assert SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S).dedupe_window_s == 900
     with pytest.raises(ValidationError, match="dedupe_window_s"):
         SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S + 1)
+
+
+def test_the_front_end_takes_the_dsn_postmaster_when_it_has_none() -> None:
+    """RFC 5321 §4.5.1: ``<Postmaster>`` goes to ``smtp.postmaster``, else to the
+    ``dsn.postmaster`` an operator set for double bounces; with neither it stays unset
+    (and the front end refuses it)."""
+    dsn = DsnSettings(postmaster="pm@example.test")
+    assert Settings(dsn=dsn).front_end().postmaster == "pm@example.test"
+    own = SmtpSettings(postmaster="ops@example.test")
+    assert Settings(smtp=own, dsn=dsn).front_end().postmaster == "ops@example.test"
+    assert Settings().front_end().postmaster == ""

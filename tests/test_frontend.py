@@ -219,32 +219,40 @@ async def test_any_ehlo_argument_is_stored_safely(
         assert entry.helo == stored
 
 
-@pytest.mark.parametrize(
-    ("configured", "queued_for"),
-    [("", "postmaster@mx.jsqueue.test"), ("ops@example.test", "ops@example.test")],
-)
-async def test_rcpt_to_postmaster_without_a_domain_is_accepted(
-    mem: Stores, configured: str, queued_for: str
-) -> None:
-    """RFC 5321 §4.1.1.3, §4.5.1: ``RCPT TO:<Postmaster>`` (no domain, any case) MUST be
-    accepted; it is queued for ``smtp.postmaster`` (by default postmaster at the front
-    end's own name), also from a client that may not relay: the postmaster is this
-    system's own mailbox; so is ``postmaster@<smtp.hostname>`` in any case (§4.5.1). Any
-    other address without a domain is still refused."""
-    settings = frontend_settings(relay_networks=["192.0.2.0/24"], postmaster=configured)
+async def test_rcpt_to_postmaster_without_a_domain_is_accepted(mem: Stores) -> None:
+    """RFC 5321 §4.1.1.3, §4.5.1: ``RCPT TO:<Postmaster>`` (no domain, any case), and
+    ``postmaster@<smtp.hostname>``, MUST be accepted: they are queued for
+    ``smtp.postmaster``, also from a client that may not relay (the postmaster is this
+    system's own mailbox). Only those: the same address written out is relayed as any
+    other, and another address without a domain is still refused."""
+    settings = frontend_settings(relay_networks=["192.0.2.0/24"], postmaster="ops@example.test")
     async with running(settings, mem) as server:
         w = await Wire.connect(server.port)
         await w.expect("EHLO client.example.test", 250)
         await w.expect("MAIL FROM:<a@example.test>", 250)
         await w.expect("RCPT TO:<someone>", 501)
         await w.expect("RCPT TO:<b@dest.example.test>", 554)  # no relaying for it
+        await w.expect("RCPT TO:<ops@example.test>", 554)  # nor for the address itself
         await w.expect("RCPT TO:<PostMaster>", 250)
         await w.expect("RCPT TO:<POSTMASTER@MX.jsqueue.test>", 250)  # the same mailbox
         await w.expect("DATA", 354)
         await w.send(dot_stuff(MESSAGE))
         assert (await w.reply()).code == 250
     entry = (await entries_of(mem))[0]
-    assert [r.address for r in entry.recipients] == [queued_for]
+    assert [r.address for r in entry.recipients] == ["ops@example.test"]
+
+
+async def test_rcpt_to_postmaster_with_none_configured_is_refused_plainly(mem: Stores) -> None:
+    """With neither ``smtp.postmaster`` nor ``dsn.postmaster`` set this queue has no
+    mailbox of its own to take the postmaster's mail: ``<Postmaster>`` is refused with
+    ``550 5.1.1`` saying so, rather than queued for an address that routes back here (a
+    loop, then a bounce)."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        refused = await w.expect("RCPT TO:<Postmaster>", 550)
+        assert refused.enhanced == "5.1.1" and "smtp.postmaster" in refused.text
 
 
 async def test_pipelined_transaction_gets_replies_in_order(mem: Stores) -> None:

@@ -278,8 +278,9 @@ class SmtpSettings(_Section):
     max_recipients: int = Field(1000, ge=1, description="RCPT limit per message")
     postmaster: Mailbox = Field(
         "",
-        description="the address RCPT TO:<Postmaster> (no domain) is queued for, RFC 5321 "
-        "§4.5.1; empty: postmaster@<smtp.hostname>",
+        description="the address RCPT TO:<Postmaster> (no domain) and "
+        "postmaster@<smtp.hostname> are queued for, RFC 5321 §4.5.1; empty: dsn.postmaster; "
+        "with neither, they are refused (this queue has no mailbox of its own)",
     )
     max_received: int = Field(
         100,

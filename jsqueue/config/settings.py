@@ -85,6 +85,12 @@ class Settings(BaseSettings):
             )
         return self
 
+    def front_end(self) -> SmtpSettings:
+        """The ``smtp`` section as the front end runs it: ``smtp.postmaster`` falls back to
+        ``dsn.postmaster`` (the one postmaster an operator may have set, RFC 5321 §4.5.1)."""
+        postmaster = self.smtp.postmaster or self.dsn.postmaster or ""
+        return self.smtp.model_copy(update={"postmaster": postmaster})
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -507,13 +507,12 @@ class InboundSession(SMTP):
             await self._reply(R503_NEED_MAIL)
             return
         try:
-            postmaster = self._settings.postmaster or f"postmaster@{self.hostname}"
-            cmd = parse_rcpt_to(arg, postmaster, self.hostname)
+            cmd = parse_rcpt_to(arg, self._settings.postmaster, self.hostname)
             if cmd.params and not self.session.extended_smtp:
                 raise SyntaxProblem(R555_UNKNOWN_PARAMETER, "Parameters need EHLO")
             require_utf8_allowed(cmd.path, txn.smtputf8)
             # RFC 5321 §4.5.1: the postmaster is this system's own mailbox, open to anyone
-            if cmd.path.address != postmaster and not self._may_relay():
+            if not cmd.postmaster and not self._may_relay():
                 raise SyntaxProblem(R554_RELAY_DENIED)
             params = dict(cmd.params)
             notify = parse_notify(params.pop("NOTIFY")) if "NOTIFY" in params else None

@@ -16,6 +16,7 @@ from jsqueue.replies import (
     R501_BAD_FORWARD_PATH,
     R501_BAD_PARAMETER,
     R501_BAD_REVERSE_PATH,
+    R550_NO_POSTMASTER,
     R553_BAD_MAILBOX,
     R553_SMTPUTF8_REQUIRED,
     Reply,
@@ -77,10 +78,12 @@ class Path:
 
 @dataclass
 class Command:
-    """A MAIL or RCPT argument split into its path and ESMTP parameters."""
+    """A MAIL or RCPT argument split into its path and ESMTP parameters; ``postmaster``:
+    the path was this system's postmaster, rewritten to its address (RFC 5321 §4.5.1)."""
 
     path: Path
     params: dict[str, str | None] = field(default_factory=dict)
+    postmaster: bool = False
 
 
 def _split_path(text: str) -> tuple[str, str]:
@@ -197,7 +200,10 @@ def _path_command(
     route = _ROUTE_RE.match(inner)
     mailbox = inner[route.end() :] if route else inner
     mine = ("postmaster", f"postmaster@{own_domain}".lower() if own_domain else None)
-    if postmaster is not None and mailbox.lower() in mine:
+    rewritten = postmaster is not None and mailbox.lower() in mine
+    if rewritten:
+        if not postmaster:
+            raise SyntaxProblem(R550_NO_POSTMASTER)
         mailbox = postmaster  # RFC 5321 §4.1.1.3, §4.5.1: this system's postmaster
     if any("\udc80" <= ch <= "\udcff" for ch in mailbox):
         raise SyntaxProblem(bad, f"{bad.text}: not valid UTF-8")
@@ -207,7 +213,7 @@ def _path_command(
         if "@" in mailbox and _MAILBOX_RE.fullmatch(mailbox):
             raise SyntaxProblem(R553_BAD_MAILBOX, f"{R553_BAD_MAILBOX.text}: {e}") from e
         raise SyntaxProblem(bad, f"{bad.text}: {e}") from e
-    return Command(path, params)
+    return Command(path, params, postmaster=rewritten)
 
 
 def parse_mail_from(arg: str | None) -> Command:
@@ -228,8 +234,9 @@ def parse_rcpt_to(
     Args:
         arg: what follows ``RCPT``.
         postmaster: the address ``RCPT TO:<Postmaster>`` (no domain, any case) stands for:
-            RFC 5321 §4.1.1.3 and §4.5.1 require it to be accepted; None refuses it as an
-            address without a domain.
+            RFC 5321 §4.1.1.3 and §4.5.1 require it to be accepted; ``""`` (none
+            configured) refuses it with ``550 5.1.1``; None treats it as an address without
+            a domain.
         own_domain: this system's own name (``smtp.hostname``): ``postmaster@`` it, in
             any case, stands for ``postmaster`` too (§4.5.1).
 
