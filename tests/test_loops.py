@@ -22,7 +22,7 @@ from jsqueue.envelope import Recipient
 from jsqueue.frontend.data import DataDecoder
 from jsqueue.frontend.server import SmtpServer
 from support.cases import case_message
-from support.mx import ScriptedMx, SmtpdMx, shared_port
+from support.mx import Certs, ScriptedMx, SmtpdMx, shared_port
 from support.queue import REPORTING_MTA, Harness, eventually
 
 ME = "out.jsqueue.example.test"
@@ -122,6 +122,35 @@ async def test_myself_after_a_better_mx_that_failed_defers_with_its_failure() ->
     reply = result.replies["u@loop.example.test"]
     assert reply.is_temporary and "mx1.loop.example.test" in reply.text, reply
     assert first.connections == 1 and mirror.connections == 1
+
+
+@pytest.mark.parametrize("starttls", [False, True])
+async def test_under_required_tls_only_the_ehlo_after_starttls_can_say_myself(
+    starttls: bool,
+) -> None:
+    """A cleartext EHLO reply can be forged on the path (RFC 3207 §6): under a policy that
+    requires TLS (``required``, and so DANE and MTA-STS enforce) it is not believed to say
+    "this is myself", so a forged one cannot turn a deferral into a bounce. The next hop
+    that offers no STARTTLS is deferred as any such hop is (never bounced); one that does
+    is judged by its EHLO reply after the handshake (here still ours: 554 5.4.6)."""
+    host = "127.0.2.146"
+    port = shared_port([host])
+    certs = Certs()
+    tls = certs.server_context("mx1.loop.example.test") if starttls else None
+    settings = WorkerSettings.model_validate({"mx_port": port, "ehlo_name": ME, "tls": "required"})
+    async with ScriptedMx(host, port, name=ME, tls=tls) as mirror:
+        result = await deliver(
+            [MxTarget(host="mx1.loop.example.test", address=host, preference=10)],
+            _envelope(),
+            BODY,
+            settings,
+        )
+    reply = result.replies["u@loop.example.test"]
+    if starttls:
+        assert (reply.code, reply.enhanced) == (554, "5.4.6"), reply
+        assert "STARTTLS" in [v for s in mirror.sessions for v in s.verbs()]
+    else:
+        assert reply.is_temporary and "loops back" not in reply.text, reply
 
 
 async def _own_frontend(h: Harness, address: str, **smtp: object) -> SmtpServer:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import aiosmtplib
 from aiosmtplib import SMTPResponse
 
-from jsqueue.config import WorkerSettings
+from jsqueue.config import TlsPolicy, WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache, aclose
 from jsqueue.delivery.commands import plan_transaction
@@ -259,6 +259,8 @@ class OutboundSession:
         Raises:
             LoopsBack: ``554 5.4.6`` "mail for <domain> loops back to myself".
         """
+        if not self.tls and self.policy in (TlsPolicy.REQUIRED, TlsPolicy.VERIFY):
+            return  # told only on the EHLO after STARTTLS: this one an attacker could forge
         s = self.settings
         name = ours(response.message, [s.ehlo_name, *s.own_names])
         if name is not None:
