@@ -21,6 +21,7 @@ from jsqueue.delivery.policy.certs import check_ca_files
 from jsqueue.delivery.policy.decision import PolicyEngine
 from jsqueue.delivery.policy.reporting import TlsReporter, report_loop
 from jsqueue.delivery.resolver import Resolver, resolver_from_settings
+from jsqueue.delivery.signals import telling_names
 from jsqueue.destination_metrics import DestinationCollector
 from jsqueue.destinations import Destinations
 from jsqueue.dsn.notifier import DsnNotifier
@@ -117,6 +118,14 @@ def build_worker(
     worker = settings.worker.model_copy(
         update={"own_names": [*settings.worker.own_names, settings.smtp.hostname]}
     )
+    if not telling_names([worker.ehlo_name, *worker.own_names]):
+        log.warning(
+            "worker.ehlo_name and smtp.hostname are %r and %r: an MX that points back at "
+            "this queue is found only after smtp.max_received hops; set them to this "
+            "host's name",
+            worker.ehlo_name,
+            settings.smtp.hostname,
+        )
     deliverer = SmtpDeliverer(
         resolver,
         worker,

@@ -41,6 +41,22 @@ def test_ours_takes_the_first_word_of_the_reply_and_never_a_bare_name() -> None:
     assert ours("", [ME]) is None
 
 
+def test_a_worker_that_cannot_tell_itself_by_name_says_so(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``localhost`` (the defaults) or names without a dot, the EHLO check cannot find
+    this queue behind an MX: the worker says so when it is built, naming both settings,
+    and stays silent when a name can tell."""
+    h = queue_harness
+    h.configure(worker={"ehlo_name": "localhost"}, smtp={"hostname": "localhost"})
+    h.worker()
+    assert "worker.ehlo_name and smtp.hostname are 'localhost' and 'localhost'" in caplog.text
+    caplog.clear()
+    h.configure(worker={"ehlo_name": ME})
+    h.worker()
+    assert "smtp.max_received hops" not in caplog.text
+
+
 def test_the_data_decoder_counts_received_fields_of_the_header_only() -> None:
     """RFC 5321 §6.3: one ``Received:`` more than ``max_received`` (in any case, with white
     space before the colon, RFC 5322 §4.5) is refused with 554 5.4.6 after the terminator;

@@ -11,7 +11,16 @@ from collections.abc import Iterable
 
 from jsqueue.replies import Reply
 
-__all__ = ["Failed", "LoopsBack", "NextMx", "TlsFallback", "is_loopback", "literal_like", "ours"]
+__all__ = [
+    "Failed",
+    "LoopsBack",
+    "NextMx",
+    "TlsFallback",
+    "is_loopback",
+    "literal_like",
+    "ours",
+    "telling_names",
+]
 
 
 class NextMx(Exception):
@@ -49,12 +58,18 @@ def ours(ehlo_reply: str, names: Iterable[str]) -> str | None:
     if not words:
         return None
     given = words[0].rstrip(".").lower()
-    mine = {
+    return given if given in telling_names(names) else None
+
+
+def telling_names(names: Iterable[str]) -> set[str]:
+    """Those of ``names`` that can tell this queue in a next hop's EHLO reply (lower
+    case, no final dot): not ``localhost...``, not without a dot. Empty: loops are found
+    only by counting ``Received:`` fields (RFC 5321 §6.3). Pure."""
+    return {
         n.rstrip(".").lower()
         for n in names
         if "." in n.rstrip(".") and not n.lower().startswith("localhost")
     }
-    return given if given in mine else None
 
 
 class TlsFallback(Exception):
