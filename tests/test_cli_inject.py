@@ -122,6 +122,10 @@ async def test_inject_exit_statuses(nats_server: EmbeddedNats, names: Names) -> 
     # -t with a To: that is not UTF-8 (RFC 6532 §3.2): 65, no recipient guessed from it
     code, _, err = await run("inject", "-t", env=env, stdin=b"To: \xff@b.example\n\nx\n")
     assert code == 65 and "the To field is not UTF-8" in err, err
+    # a message gone round too often (RFC 5321 §6.3): refused, 65, as SMTP refuses it
+    looped = b"Received: from a by b\n" * 101 + b"Subject: x\n\nx\n"
+    code, _, err = await run("inject", "a@b.example", env=env, stdin=looped)
+    assert code == 65 and "mail loop" in err, err
     code, _, err = await run("inject", "a@b.example", env=env, stdin=b"Subject: x\r\rbad\n")
     assert code == 65 and "bare CR" in err
     code, _, err = await run("inject", "a@b.example", env=env, stdin=b"x" * 1200 + b"\n")

@@ -230,6 +230,9 @@ async def test_two_idempotency_keys_are_refused(api_harness: tuple[Harness, ApiE
 
 
 async def test_limits_as_at_the_smtp_front_end(api_harness: tuple[Harness, ApiEnv]) -> None:
+    """The front end's limits hold for the API too: size (413), recipients, addresses, bare
+    CR, line length, DSN parameters and more Received: fields than smtp.max_received
+    (422); nothing refused is stored."""
     h, api = api_harness
     limit = h.settings.smtp.max_message_size
     big = base64.b64encode(b"Subject: big\r\n\r\n" + b"x" * 900 + b"\r\n" * (limit // 2))
@@ -246,6 +249,8 @@ async def test_limits_as_at_the_smtp_front_end(api_harness: tuple[Harness, ApiEn
         ({"recipients": [{"address": "no-at-sign"}]}, "not a mailbox"),
         ({"raw": "Subject: x\r\rbare CR\r\n", "raw_base64": None}, "bare CR"),
         ({"raw": "x" * 1000 + "\r\n", "raw_base64": None}, "at most 998"),
+        # a mail loop, as the SMTP front end finds it (RFC 5321 §6.3)
+        ({"raw": "Received: x\r\n" * 101 + "\r\nx\r\n", "raw_base64": None}, "mail loop"),
         (
             {"recipients": [{"address": "b@dest.example.test", "notify": ["NEVER", "DELAY"]}]},
             "NEVER",

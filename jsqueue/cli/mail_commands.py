@@ -294,6 +294,9 @@ async def _store(settings: Settings, tx: Transaction, user: str, *, verbose: boo
     except (NotQueued, StoreUnavailable, OSError) as e:
         typer.echo(f"jsqueue inject: not queued ({e}); try again", err=True)
         return EX_TEMPFAIL
+    except RequestRejected as e:  # the message itself (a mail loop)
+        typer.echo(f"jsqueue inject: not queued: {e}", err=True)
+        return EX_DATAERR
     except JsqueueError as e:
         typer.echo(f"jsqueue inject: not queued ({e})", err=True)
         return EX_UNAVAILABLE

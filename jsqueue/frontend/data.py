@@ -182,13 +182,25 @@ class DataDecoder:
             if not line:
                 self._in_header = False
                 return
-            # the name, then optional white space before the colon (RFC 5322 §4.5)
-            if line[:8].lower() == b"received" and line[8:].lstrip(b" \t")[:1] == b":":
+            if is_received_field(line):
                 self.received += 1
                 if self.received > self._max_received:
                     self._in_header = False
                     self._fail(R554_TOO_MANY_HOPS)
                     return
+
+
+def is_received_field(line: bytes) -> bool:
+    """Whether a header line starts a ``Received:`` field: the name in any case, then
+    optional white space before the colon (RFC 5322 §4.5). Pure."""
+    return line[:8].lower() == b"received" and line[8:].lstrip(b" \t")[:1] == b":"
+
+
+def received_count(message: bytes) -> int:
+    """The ``Received:`` fields in the header of ``message`` (CRLF lines, up to the empty
+    line that ends the header; RFC 5321 §6.3 counts them to find mail loops). Pure."""
+    head = message.split(b"\r\n\r\n", 1)[0]
+    return sum(is_received_field(line) for line in head.split(b"\r\n"))
 
 
 def _last_break(buf: bytes) -> int:

@@ -49,6 +49,7 @@ from jsqueue.config import Settings
 from jsqueue.envelope import utcnow
 from jsqueue.errors import EntryNotFound, RequestRejected, StoreUnavailable
 from jsqueue.events import Event, Observer
+from jsqueue.frontend.data import received_count
 from jsqueue.frontend.ingest import Ingest, NotQueued, Submission
 from jsqueue.frontend.received import received_header
 from jsqueue.http.auth import Token
@@ -181,9 +182,16 @@ class Injector:
                 took this one's claim over (it was slower than ``smtp.store_timeout_s``):
                 nothing is stored (HTTP 503; a retry gets the other request's id, or 422).
             StoreUnavailable: the ingest log could not be read or written (HTTP 503).
-            RequestRejected: the key was used for a request with another fingerprint
-                (HTTP 422); nothing is stored.
+            RequestRejected: the key was used for a request with another fingerprint, or
+                the message has more ``Received:`` fields than ``smtp.max_received`` (a
+                mail loop, RFC 5321 §6.3) (HTTP 422); nothing is stored.
         """
+        hops = received_count(tx.data)
+        if hops > self._smtp.max_received:  # as the SMTP front end (RFC 5321 §6.3)
+            raise RequestRejected(
+                f"the message has {hops} Received: fields, more than smtp.max_received "
+                f"({self._smtp.max_received}): a mail loop"
+            )
         log_ = self._stores.ingest
         if idempotency_key is None or log_ is None:
             return await self._store(tx, who, new_queue_id())
