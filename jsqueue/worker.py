@@ -336,9 +336,11 @@ class Worker:
         turn (no read: one read per message, not per domain)."""
         item = due.item
         # The newest version another task of this process read or wrote (another domain of
-        # the message): the claim is tried on it without a read. Only a claim may be
-        # decided on it, since its compare-and-set tells whether it was still current; a
-        # decision that writes nothing (drop, later) waits for the entry read now.
+        # the message): the claim is tried on it without a read. Only what a compare-and-set
+        # checks is decided on it (the claim, an expiry); a decision that writes nothing
+        # (drop, later) waits for the entry read now. A site that admits nothing puts the
+        # item back on it too: the NAK does not depend on it, and the site-down reply it
+        # writes is best effort (destinations.put_back).
         seed = turn.newest
         start: Versioned | str = item.queue_id if seed is None else seed
         async for read in cas.reads(self.stores.entries, start, strict=False):
