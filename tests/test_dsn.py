@@ -744,7 +744,13 @@ def test_orcpt_and_envid_are_reported() -> None:
         CASE22_550,
         orcpt="utf-8;jörg@rej.example.test",
     )
-    e = entry([r, u], envid="QQ+2B314")
+    a = recipient(  # an ASCII utf-8 ORCPT: the same encoding (a \\ is \\x{5C} there)
+        "a@rej.example.test",
+        RecipientState.BOUNCED,
+        CASE22_550,
+        orcpt="utf-8;a\\b+c@rej.example.test",
+    )
+    e = entry([r, u, a], envid="QQ+2B314")
     data = failure_dsn(e)
     assert data.isascii()
     groups = status_groups(parse(data))
@@ -752,6 +758,7 @@ def test_orcpt_and_envid_are_reported() -> None:
     assert str(groups[1]["Original-Recipient"]) == "rfc822; B+2Btag@Rej.example.test"
     assert str(groups[1]["Final-Recipient"]) == "rfc822; b@rej.example.test"
     assert str(groups[2]["Original-Recipient"]) == "utf-8; j\\x{F6}rg@rej.example.test"
+    assert str(groups[3]["Original-Recipient"]) == "utf-8; a\\x{5C}b\\x{2B}c@rej.example.test"
 
 
 def test_build_rejects_bad_input() -> None:

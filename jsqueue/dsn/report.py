@@ -253,7 +253,7 @@ def _original_recipient(orcpt: str) -> str:
         addr_type, value = "rfc822", orcpt
     value = value.strip()
     addr_type = _ascii(addr_type) or "rfc822"
-    if not value.isascii():
+    if not value.isascii() or addr_type.lower() == "utf-8":  # one rule with the ORCPT sent
         return f"utf-8; {utf8_addr_xtext(_clean(value))}"
     return f"{addr_type}; {_ascii(value)}"
 
