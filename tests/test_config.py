@@ -170,6 +170,12 @@ INVALID = [
         {"JSQUEUE_NATS__PREFIX": "a.b"}, None, r"nats\.prefix: .*not a name prefix", id="prefix"
     ),
     pytest.param(
+        {"JSQUEUE_WORKER__OWN_NAMES": '["ok.example.test", "bad name"]'},
+        None,
+        r"worker\.own_names: .*not a domain name or address literal: 'bad name'",
+        id="own-names",
+    ),
+    pytest.param(
         {"JSQUEUE_SMTP__POSTMASTER": "ops"},
         None,
         r"smtp\.postmaster: .*not an address: 'ops'",

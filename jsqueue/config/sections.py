@@ -286,7 +286,7 @@ class SmtpSettings(_Section):
         100,
         ge=10,
         description="Received: header fields a message may arrive with; more is a mail loop, "
-        "refused with 554 5.4.6 (RFC 5321 §6.3: allow at least 100)",
+        "refused with 554 5.4.6 (RFC 5321 §6.3 recommends allowing at least 100)",
     )
     max_sessions: int = Field(200, ge=1, description="concurrent SMTP sessions")
     session_timeout_s: float = Field(300.0, gt=0, description="idle command timeout, seconds")
@@ -395,6 +395,13 @@ class WorkerSettings(_Section):
         None, description="relay everything through this host instead of MX lookup"
     )
     dkim: DkimSettings = Field(default_factory=DkimSettings, description="DKIM signing")
+
+    @field_validator("own_names")
+    @classmethod
+    def _own_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            _ehlo_domain(name)  # a name in an EHLO reply: a domain or an address literal
+        return names
 
     @field_validator("nameservers")
     @classmethod

@@ -14,7 +14,7 @@ from aiosmtpd.smtp import Envelope
 from jsqueue.envelope import Recipient
 from jsqueue.replies import R451_LOCAL_ERROR
 
-log = logging.getLogger("jsqueue.frontend.session")
+log = logging.getLogger("jsqueue.frontend.session")  # the session's name, as before the split
 
 
 class Transaction(Envelope):
