@@ -366,6 +366,13 @@ def test_the_dedupe_window_is_no_longer_than_the_delete_marker_lives() -> None:
         SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S + 1)
 
 
+def test_own_names_may_end_in_a_dot() -> None:
+    """``worker.own_names`` are only compared with what next hops send (case and a final
+    dot ignored), so ``MX2.Example.Test.`` is taken as written."""
+    names = ["MX2.Example.Test.", "[192.0.2.1]"]
+    assert WorkerSettings(own_names=names).own_names == names
+
+
 def test_the_front_end_takes_the_dsn_postmaster_when_it_has_none() -> None:
     """RFC 5321 §4.5.1: ``<Postmaster>`` goes to ``smtp.postmaster``, else to the
     ``dsn.postmaster`` an operator set for double bounces; with neither it stays unset

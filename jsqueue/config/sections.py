@@ -399,8 +399,8 @@ class WorkerSettings(_Section):
     @field_validator("own_names")
     @classmethod
     def _own_names(cls, names: list[str]) -> list[str]:
-        for name in names:
-            _ehlo_domain(name)  # a name in an EHLO reply: a domain or an address literal
+        for name in names:  # a name in an EHLO reply: a domain or an address literal
+            _ehlo_domain(name.removesuffix("."))  # (matched with a final dot or without)
         return names
 
     @field_validator("nameservers")
