@@ -199,7 +199,8 @@ def is_received_field(line: bytes) -> bool:
 def received_count(message: bytes) -> int:
     """The ``Received:`` fields in the header of ``message`` (CRLF lines, up to the empty
     line that ends the header; RFC 5321 §6.3 counts them to find mail loops). Pure."""
-    head = message.split(b"\r\n\r\n", 1)[0]
+    end = message.find(b"\r\n\r\n")  # the header only: no copy of the body
+    head = message if end < 0 else message[:end]
     return sum(is_received_field(line) for line in head.split(b"\r\n"))
 
 
