@@ -812,12 +812,10 @@ async def test_commands_pipelined_behind_the_data_keep_the_resend_protection(
     (one copy). A command of a later group does end the protection."""
     async with running(frontend_settings(dedupe_window_s=60), mem) as server:
         w = await Wire.connect(server.port)
-        await w.expect("EHLO client.example.test", 250)
-        await w.expect("MAIL FROM:<a@example.test>", 250)
-        await w.expect("RCPT TO:<b@dest.example.test>", 250)
-        await w.expect("DATA", 354)
-        await w.send(dot_stuff(MESSAGE) + behind)
-        first = queued_id(await w.reply())
+        reply = await w.transaction(
+            "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE), behind=behind
+        )
+        first = queued_id(reply)
         await w.close()  # the client never read that 250
         assert await _send_once(server.port, MESSAGE) == first
         # the resend's session went on to QUIT: that copy's 250 was seen
@@ -833,13 +831,11 @@ async def test_two_identical_messages_pipelined_in_one_group_are_both_queued(
     would come on a new connection): two 250s with two ids, two entries."""
     async with running(frontend_settings(dedupe_window_s=60), mem) as server:
         w = await Wire.connect(server.port)
-        await w.expect("EHLO client.example.test", 250)
-        await w.expect("MAIL FROM:<a@example.test>", 250)
-        await w.expect("RCPT TO:<b@dest.example.test>", 250)
-        await w.expect("DATA", 354)
         group = b"MAIL FROM:<a@example.test>\r\nRCPT TO:<b@dest.example.test>\r\nDATA\r\n"
-        await w.send(dot_stuff(MESSAGE) + group)
-        first = queued_id(await w.reply())
+        reply = await w.transaction(
+            "a@example.test", ["b@dest.example.test"], dot_stuff(MESSAGE), behind=group
+        )
+        first = queued_id(reply)
         assert [(await w.reply()).code for _ in range(3)] == [250, 250, 354]
         await w.send(dot_stuff(MESSAGE))
         second = queued_id(await w.reply())

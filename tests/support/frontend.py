@@ -207,17 +207,24 @@ class Wire:
             await self.writer.wait_closed()
 
     async def transaction(
-        self, sender: str, recipients: list[str], data: bytes, *, ehlo: bool = True
+        self,
+        sender: str,
+        recipients: list[str],
+        data: bytes,
+        *,
+        ehlo: bool = True,
+        behind: bytes = b"",
     ) -> Reply:
         """EHLO (optional), MAIL, RCPT…, DATA, ``data`` (already dot-stuffed, with the
-        terminator): the reply after the terminator."""
+        terminator) and ``behind`` in the same write (commands pipelined behind the data,
+        RFC 2920 §3.1): the reply after the terminator."""
         if ehlo:
             await self.expect("EHLO client.example.test", 250)
         await self.expect(f"MAIL FROM:<{sender}>", 250)
         for rcpt in recipients:
             await self.expect(f"RCPT TO:<{rcpt}>", 250)
         await self.expect("DATA", 354)
-        await self.send(data)
+        await self.send(data + behind)
         return await self.reply()
 
 
