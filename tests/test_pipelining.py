@@ -456,6 +456,78 @@ async def test_malformed_reply_is_a_protocol_error_on_both_paths(
     assert pipelining or "DATA" not in verbs  # (a pipelined group always holds DATA)
 
 
+@pytest.mark.parametrize(
+    ("b_reply", "pipelining"),
+    [
+        *((r, p) for r in ("250ok", CLOSE, "421 4.3.2 going down") for p in (False, True)),
+        # (pipelined, a reply left out shows as the shifted 354: the test above)
+        (SILENT, False),
+    ],
+)
+async def test_rcpt_failure_after_an_accepted_recipient_goes_to_the_next_mx(
+    b_reply: str, pipelining: bool
+) -> None:
+    """a@ is accepted, then b@'s RCPT gets a malformed reply, the connection closes, a 421
+    (RFC 5321 §3.8), or (one command at a time) the reply never comes. No body went out,
+    so nobody has the message, a@ included: on both paths the next MX gets a@ and b@ in one
+    transaction (one command at a time used to defer them on the first MX, while the
+    pipelined group went on to it: RFC 2920 §3.1)."""
+    bad, good = "127.0.2.234", "127.0.2.235"
+    port = shared_port([bad, good])
+    async with (
+        ScriptedMx(bad, port, rcpt_replies={B: b_reply}) as first,
+        SmtpdMx(good, port, pipelining=pipelining) as second,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.p.example.test", address=bad),
+                MxTarget(host="mx2.p.example.test", address=good),
+            ],
+            envelope(A, B),
+            body(),
+            settings_for(port, pipelining=pipelining, rcpt_timeout_s=1.0),
+        )
+    assert result.delivered == [A, B], result.replies
+    assert first.delivered == []
+    assert [t.rcpt_to for t in second.delivered] == [[A, B]]
+
+
+@PATHS
+@pytest.mark.parametrize(
+    ("verb", "reply"),
+    [
+        ("RCPT", "150 wait"),
+        ("RCPT", "354 go ahead"),
+        ("RCPT", "650 what"),
+        ("MAIL", "150 wait"),
+        ("DATA", "250 2.0.0 ok"),
+    ],
+)
+async def test_impossible_reply_is_out_of_sync_on_both_paths(
+    verb: str, reply: str, pipelining: bool
+) -> None:
+    """RFC 5321 §4.3.2: MAIL and RCPT get 2xx, 4xx or 5xx, DATA gets 354, 4xx or 5xx.
+    Anything else (to MAIL, to b@'s RCPT after a@ was accepted, to DATA) is a reply meant
+    for another command, the replies are shifted: on both paths nothing of the transaction
+    counts, a fresh connection is tried once, then a@ and b@ are deferred with 4.5.0, and
+    nothing is delivered. (One command at a time used to record 4.5.0 for b@ alone and
+    deliver a@ on the shifted connection.)"""
+    host = "127.0.2.236"
+    port = shared_port([host])
+    script = {"RCPT": {"rcpt_replies": {B: reply}}, "MAIL": {"mail": reply}}
+    script["DATA"] = {"data": reply}
+    async with ScriptedMx(host, port, **script[verb]) as mx:
+        result = await deliver(
+            target("mx.p.example.test", host),
+            envelope(A, B),
+            body(),
+            settings_for(port, pipelining=pipelining),
+        )
+    assert sorted(result.deferred) == [A, B], result.replies
+    assert all(r.enhanced == "4.5.0" for r in result.replies.values())
+    assert mx.connections == 2 and mx.delivered == []
+
+
 @PATHS
 async def test_overlong_reply_line_keeps_its_code(pipelining: bool) -> None:
     """RFC 5321 §4.5.3.1.5 bounds a reply line at 512 octets, and servers exceed it. A line

@@ -42,7 +42,7 @@ from jsqueue.delivery.connections import abort_connection
 from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
 from jsqueue.delivery.responses import rcpt_reply, to_reply, with_detail
 from jsqueue.delivery.signals import Failed, NextMx
-from jsqueue.delivery.sync import Desync, GuardedProtocol, check_sync
+from jsqueue.delivery.sync import Desync, GuardedProtocol, check_sync, impossible_reply
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
     R451_PROTOCOL_ERROR,
@@ -69,9 +69,10 @@ class GroupReader:
     (the server closes), a reply is malformed or the connection ended, so that any later
     octet is the protocol's stray data again.
 
-    A reply impossible for its command (see :func:`_impossible`) also ends the reading at
-    once: the replies are shifted (one is missing, e.g. the ``354`` arrived in an RCPT's
-    place), and waiting for the rest would only end in a timeout.
+    A reply impossible for its command (:func:`~jsqueue.delivery.sync.impossible_reply`)
+    also ends the reading at once: the replies are shifted (one is missing, e.g. the
+    ``354`` arrived in an RCPT's place), and waiting for the rest would only end in a
+    timeout.
 
     Args:
         protocol: the connection's protocol.
@@ -113,7 +114,7 @@ class GroupReader:
                 if response.code == 421:
                     self.detach()
                     return
-                if _impossible(stage, response):
+                if impossible_reply(stage, response):
                     self.shifted = stage
                     self.detach()
                     return
@@ -167,13 +168,6 @@ def _stage(index: int, rcpts: int) -> str:
     if index == 0:
         return "MAIL"
     return "RCPT" if index <= rcpts else "DATA"
-
-
-def _impossible(stage: str, response: SMTPResponse) -> bool:
-    """A reply no server sends to ``stage`` (RFC 5321 §4.3.2): only a shifted one."""
-    if stage == "DATA":
-        return not (response.code == 354 or 400 <= response.code < 600)
-    return not 200 <= response.code < 600 or 300 <= response.code < 400
 
 
 async def pipelined_transaction(

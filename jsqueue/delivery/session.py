@@ -32,7 +32,7 @@ from jsqueue.delivery.resolver import MxTarget
 from jsqueue.delivery.responses import hop_reply, rcpt_reply, to_reply, with_detail
 from jsqueue.delivery.signals import Failed, LoopsBack, NextMx, TlsFallback, is_loopback, ours
 from jsqueue.delivery.starttls import starttls
-from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync
+from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync, impossible_reply
 from jsqueue.delivery.transform import DotStuffer
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
@@ -162,14 +162,22 @@ class OutboundSession:
     async def _command(
         self, stage: str, timeout_s: float, *args: bytes, intermediate_ok: bool = False
     ) -> Reply:
-        """Send one command once the connection is in sync (:func:`check_sync` raises
-        :class:`Desync`); library failures raise :class:`Failed` with the reply."""
+        """Send one command once the connection is in sync and read its reply.
+
+        Raises:
+            Desync: unexpected data is pending before the command (:func:`check_sync`), or
+                the reply is impossible for MAIL, RCPT or DATA (:func:`impossible_reply`,
+                as in the pipelined group).
+            Failed: the library failed (lost, timed out, malformed); carries the reply.
+        """
         assert self.smtp is not None
         await check_sync(self.smtp, stage)
         try:
             response = await self.smtp.execute_command(*args, timeout=timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             raise self._translate(e, stage) from e
+        if stage in ("MAIL", "RCPT", "DATA") and impossible_reply(stage, response):
+            raise Desync(stage, f"{response.code} {response.message}".encode()[:512])
         return to_reply(response, self.host, intermediate_ok=intermediate_ok)
 
     async def _connect(self) -> None:
@@ -497,13 +505,12 @@ class OutboundSession:
                 if isinstance(e.__cause__, ValueError):
                     replies[address] = with_detail(R501_BAD_FORWARD_PATH, str(e.__cause__))
                     continue
-                if not accepted:
-                    raise NextMx(e.reply) from e
-                return all_get(e.reply, [a for a in paths if a in accepted or a not in replies])
-            if reply.code == 421:
-                if not accepted:
-                    raise NextMx(reply)
-                return all_get(reply, [a for a in paths if a in accepted or a not in replies])
+                # Lost, timed out, malformed: no body went out, so no recipient has the
+                # message, accepted or not; the next MX gets them all, as when a pipelined
+                # group is answered short (RFC 2920 §3.1).
+                raise NextMx(e.reply) from e
+            if reply.code == 421:  # the server closes the channel (RFC 5321 §3.8)
+                raise NextMx(reply)
             # RFC 5321 §4.5.3.1.10: 452 (or a 552, to be treated as temporary) is never
             # a bounce; the server's recipient limit sends the rest in a further transaction.
             reply, limit = rcpt_reply(reply, self.host)

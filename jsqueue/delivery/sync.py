@@ -9,7 +9,8 @@ recorded for another, delivered mail bounced.
 aiosmtplib would drop or leave for the next command: lines received while no reply was
 awaited, and lines after a complete reply in the same read. :func:`check_sync` raises
 :class:`Desync` when there are any; the session then drops the connection and retries on a
-fresh one what no reply in sync confirmed.
+fresh one what no reply in sync confirmed. So does a reply impossible for its command
+(:func:`impossible_reply`: a ``1xx`` to RCPT, a ``250`` to DATA), on both paths.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from aiosmtplib.protocol import SMTPProtocol
 from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
 from jsqueue.replies import Reply
 
-__all__ = ["STRAY_KEEP_OCTETS", "Desync", "GuardedProtocol", "GuardedSMTP", "Tap", "check_sync"]
+__all__ = [
+    "STRAY_KEEP_OCTETS",
+    "Desync",
+    "GuardedProtocol",
+    "GuardedSMTP",
+    "Tap",
+    "check_sync",
+    "impossible_reply",
+]
 
 STRAY_KEEP_OCTETS = 512
 """Octets of unexpected server data kept for the log line."""
@@ -173,3 +182,15 @@ async def check_sync(smtp: aiosmtplib.SMTP | None, stage: str) -> None:
         data = protocol.unread()
         if data:
             raise Desync(stage, data)
+
+
+def impossible_reply(stage: str, response: SMTPResponse) -> bool:
+    """Whether ``response`` is a reply no server sends to ``stage`` (``"MAIL"``, ``"RCPT"``
+    or ``"DATA"``; RFC 5321 §4.3.2: MAIL and RCPT get 2xx, 4xx or 5xx, DATA gets 354, 4xx
+    or 5xx): only a reply meant for another command, so the replies of the connection are
+    shifted. Both paths treat it as :class:`Desync`, the pipelined group (RFC 2920 §3.1) and
+    one command at a time. Pure."""
+    code = response.code
+    if stage == "DATA":
+        return not (code == 354 or 400 <= code < 600)
+    return not 200 <= code < 600 or 300 <= code < 400
