@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import socket
 from collections.abc import Callable
 
 import aiosmtplib
@@ -16,7 +17,7 @@ from test_worker import _Events, gone, one_mx, tried_once
 
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
-from jsqueue.delivery.sync import GuardedProtocol
+from jsqueue.delivery.sync import GuardedProtocol, GuardedSMTP
 from jsqueue.envelope import Recipient
 from jsqueue.events import EventKind
 from support.mx import CLOSE, SILENT, ScriptedMx, Session, shared_port
@@ -372,6 +373,39 @@ async def test_aiosmtplib_private_names_the_reply_guard_relies_on() -> None:
     for name in ("_buffer", "_response_waiter", "_response_pending", "_set_response_exception"):
         assert hasattr(protocol, name), name
     assert "del self._buffer[:]" in inspect.getsource(SMTPProtocol.start_tls)
+
+
+async def test_a_timed_out_read_ends_the_connection() -> None:
+    """RFC 5321 §4.2: the server sends the first line of a multi-line reply, then nothing
+    until the read times out. That part of a reply sits in GuardedProtocol's parser, where
+    the next line would complete it as the reply to the next command; no next command can
+    be sent, because aiosmtplib closes the connection when a read times out (and the read
+    of the final dot's reply aborts it). The reply guard relies on that: an aiosmtplib
+    upgrade that keeps the connection must fail here."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 mx ESMTP\r\n")
+        await reader.readline()  # NOOP
+        writer.write(b"250-first line of the NOOP reply\r\n")
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setblocking(False)
+    smtp = GuardedSMTP(sock=sock, timeout=5.0, start_tls=False)
+    try:
+        await smtp.connect()
+        with pytest.raises(aiosmtplib.SMTPTimeoutError):
+            await smtp.execute_command(b"NOOP", timeout=0.3)
+        assert not smtp.is_connected
+        with pytest.raises(aiosmtplib.SMTPServerDisconnected):
+            await smtp.execute_command(b"RSET", timeout=5.0)
+    finally:
+        smtp.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_worker_never_bounces_for_a_shifted_reply(

@@ -82,7 +82,9 @@ class GuardedProtocol(SMTPProtocol):
     it (its STARTTLS discards it there, RFC 3207 §4.2). Reads aiosmtplib's private
     ``_buffer``, ``_response_waiter``, ``_response_pending`` and
     ``_set_response_exception`` (checked by a test). While :attr:`tap` is set, every octet
-    goes to it instead (aiosmtplib reads nothing)."""
+    goes to it instead (aiosmtplib reads nothing). A reply in progress when a read times
+    out is never completed by data meant for a later command: aiosmtplib closes the
+    connection on a read timeout, and the final dot's read aborts it (checked by a test)."""
 
     def __init__(
         self,
