@@ -93,6 +93,11 @@ class Reply(BaseModel):
     remote_host: str | None = None
     #: the TLS policy of the session that gave (or caused) the reply; None when none ran
     tls: TlsNote | None = None
+    #: the code and enhanced code as the server sent them (``"552 5.2.2"``) when the reply
+    #: is recorded under another code (RFC 5321 §4.5.3.1.10: a 552 to RCPT is taken as
+    #: 452, temporary); None when recorded as sent. A DSN's Diagnostic-Code shows these
+    #: (RFC 3464 §2.3.6: the code the remote MTA issued). Left out of the JSON when None.
+    sent: str | None = Field(None, exclude_if=lambda v: v is None)
 
     @property
     def is_permanent(self) -> bool:

@@ -18,8 +18,10 @@ from test_worker import _Events, gone, one_mx, tried_once
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.delivery.sync import GuardedProtocol, GuardedSMTP
+from jsqueue.dsn.report import diagnostic_code
 from jsqueue.envelope import Recipient
 from jsqueue.events import EventKind
+from jsqueue.replies import Reply
 from support.mx import CLOSE, SILENT, ScriptedMx, Session, shared_port
 from support.queue import Harness, eventually
 
@@ -192,7 +194,9 @@ async def test_any_other_552_to_rcpt_defers_its_recipient_only(
     §3.3: X.2.2 mailbox full is a persistent transient failure), as Postfix does: the
     recipient is deferred with ``452`` (class 4 enhanced code, the server's text kept),
     never bounced at once; not being a recipient limit, it does not hold back the others,
-    which are delivered in the same transaction."""
+    which are delivered in the same transaction. The server's own codes are kept: the
+    DSN's Diagnostic-Code says ``552`` (RFC 3464 §2.3.6), also after the reply went
+    through an entry's JSON."""
     host = "127.0.2.122"
     port = shared_port([host])
     a, full, c = "a@limit.example.test", "full@limit.example.test", "c@limit.example.test"
@@ -208,6 +212,10 @@ async def test_any_other_552_to_rcpt_defers_its_recipient_only(
     assert recorded.code == 452 and recorded.is_temporary
     assert recorded.enhanced == enhanced and recorded.text.startswith(text)
     assert [t.rcpt_to for t in mx.delivered] == [[a, c]]
+    sent = full_reply.split(" ", 2)[0] if enhanced is None else " ".join(full_reply.split()[:2])
+    stored = Reply.model_validate_json(recorded.model_dump_json())
+    assert stored.sent == sent
+    assert diagnostic_code(stored)[0].startswith(f"smtp; {sent} {text.split(' (')[0]}")
 
 
 async def test_worker_records_every_recipient_past_a_limit_delivered(

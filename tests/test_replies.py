@@ -7,7 +7,7 @@ import re
 import pytest
 
 from jsqueue import replies
-from jsqueue.replies import Reply
+from jsqueue.replies import R452_TOO_MANY_RECIPIENTS, Reply
 
 NAME_RE = re.compile(r"^R(?P<code>[2-5]\d\d)_[A-Z0-9_]+$")
 ENHANCED_RE = re.compile(r"^(?P<cls>[245])\.(?P<subject>\d{1,3})\.(?P<detail>\d{1,3})$")
@@ -51,3 +51,11 @@ def test_names_are_unique_per_meaning() -> None:
     """STYLE.md habit 8: no two constants carry the same code, enhanced code and text."""
     seen = [(r.code, r.enhanced, r.text) for r in CONSTANTS.values()]
     assert len(seen) == len(set(seen))
+
+
+def test_sent_is_left_out_of_the_json_unless_set() -> None:
+    """Reply.sent (the server's own codes of a reply recorded under another, RFC 5321
+    §4.5.3.1.10) costs an entry nothing when unset, and survives the JSON when set."""
+    assert "sent" not in R452_TOO_MANY_RECIPIENTS.model_dump_json()
+    taken = R452_TOO_MANY_RECIPIENTS.model_copy(update={"sent": "552 5.2.2"})
+    assert Reply.model_validate_json(taken.model_dump_json()).sent == "552 5.2.2"

@@ -128,12 +128,12 @@ def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
     recipients from this one on go in a further transaction). Pure.
 
     - The limit (:func:`too_many_recipients`): :func:`limit_reply`, temporary.
-    - Any other ``552``: temporary too, as ``452`` with the enhanced code's class 4 and the
-      server's text kept. RFC 5321 §4.5.3.1.10: clients SHOULD treat a 552 to RCPT as
-      temporary (RFC 821 listed it for the recipient limit, and servers still send it for
-      that in words of their own); RFC 3463 §3.3: X.2.2 mailbox full is a persistent
-      transient failure. It is retried like any deferral and bounced when the message
-      expires, never at once.
+    - Any other ``552``: temporary too, as ``452`` with the enhanced code's class 4, the
+      server's text kept and its codes in ``sent`` (for the DSN's Diagnostic-Code). RFC
+      5321 §4.5.3.1.10: clients SHOULD treat a 552 to RCPT as temporary (RFC 821 listed
+      it for the recipient limit, and servers still send it for that in words of their
+      own); RFC 3463 §3.3: X.2.2 mailbox full is a persistent transient failure. It is
+      retried like any deferral and bounced when the message expires, never at once.
     - Anything else: unchanged.
     """
     if too_many_recipients(reply):
@@ -142,15 +142,18 @@ def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
         enhanced = None if reply.enhanced is None else "4" + reply.enhanced[1:]
         was = "552" if reply.enhanced is None else f"552 {reply.enhanced}"
         text = f"{reply.text} ({was} to RCPT, treated as temporary: RFC 5321 §4.5.3.1.10)"
-        return reply.model_copy(update={"code": 452, "enhanced": enhanced, "text": text}), False
+        update = {"code": 452, "enhanced": enhanced, "text": text, "sent": was}
+        return reply.model_copy(update=update), False
     return reply, False
 
 
 def limit_reply(reply: Reply, remote_host: str | None) -> Reply:
     """A recipient-limit reply (:func:`too_many_recipients`) as recorded: always temporary;
-    a 552 becomes ``452 4.5.3`` with the server's reply in the text (RFC 5321
-    §4.5.3.1.10: clients SHOULD treat it as temporary). Pure."""
+    a 552 becomes ``452 4.5.3`` with the server's reply in the text and its codes in
+    ``sent`` (RFC 5321 §4.5.3.1.10: clients SHOULD treat it as temporary). Pure."""
     if reply.is_temporary:
         return reply
     text = f"{R452_TOO_MANY_RECIPIENTS.text} ({reply})"
-    return R452_TOO_MANY_RECIPIENTS.model_copy(update={"text": text, "remote_host": remote_host})
+    sent = str(reply.code) if reply.enhanced is None else f"{reply.code} {reply.enhanced}"
+    update = {"text": text, "remote_host": remote_host, "sent": sent}
+    return R452_TOO_MANY_RECIPIENTS.model_copy(update=update)

@@ -294,9 +294,12 @@ def _reply_lines(reply: Reply) -> list[str]:
     """The reply as text lines, the first one prefixed with its codes."""
     lines = [_ascii(line) for line in reply.text.split("\n")] if reply.text else [""]
     lines = [line for line in lines if line] or [""]
-    prefix = str(reply.code)
-    if reply.enhanced and not lines[0].startswith(reply.enhanced):
-        prefix += " " + _ascii(reply.enhanced)
+    if reply.sent is not None:  # recorded under another code: the server's own codes
+        prefix = _ascii(reply.sent)
+    else:
+        prefix = str(reply.code)
+        if reply.enhanced and not lines[0].startswith(reply.enhanced):
+            prefix += " " + _ascii(reply.enhanced)
     lines[0] = f"{prefix} {lines[0]}".strip()
     return lines
 
@@ -305,7 +308,8 @@ def diagnostic_code(reply: Reply) -> list[str]:
     """The RFC 3464 §2.3.6 Diagnostic-Code value as segments, one per reply line.
 
     ``smtp; <code> <enhanced> <line 1>`` followed by every further line of a multi-line reply
-    (RFC 5321 §4.2.1); type ``X-jsqueue`` when no remote MTA sent the reply.
+    (RFC 5321 §4.2.1); the codes as the server sent them (``Reply.sent``: a 552 to RCPT
+    recorded as 452 shows ``552``); type ``X-jsqueue`` when no remote MTA sent the reply.
     """
     kind = "smtp" if reply.remote_host else DIAGNOSTIC_TYPE_LOCAL
     lines = _reply_lines(reply)
