@@ -267,6 +267,19 @@ async def test_auth_disabled_without_auth_file(mem: Stores, certs: FrontendCerts
         ehlo = await w.expect("EHLO client.example.test", 250)
         assert not any(line.startswith("AUTH") for line in ehlo.lines)
         await w.expect(f"AUTH PLAIN {plain('alice', PASSWORD)}", 502)
+        assert "AUTH" not in (await w.expect("HELP", 250)).lines[0].split()
+        assert (await w.cmd("HELP AUTH")).code == 501  # as for any command not offered
+
+
+async def test_help_lists_auth_with_an_auth_file(
+    mem: Stores, certs: FrontendCerts, auth_file: Path
+) -> None:
+    """HELP (RFC 5321 §4.1.1.8) lists AUTH where an auth file is set, and gives its syntax."""
+    async with running(frontend_settings(auth_file=auth_file, **certs.settings()), mem) as server:
+        w = await tls_wire(server.port, certs)
+        await w.expect("EHLO client.example.test", 250)
+        assert "AUTH" in (await w.expect("HELP", 250)).lines[0].split()
+        assert "AUTH <mechanism>" in (await w.expect("HELP AUTH", 250)).lines[0]
 
 
 async def test_auth_not_inside_a_transaction(

@@ -346,7 +346,12 @@ class InboundSession(SMTP):
             return
         await super().smtp_STARTTLS(arg)
 
-    @syntax("AUTH <mechanism> [initial-response]")
+    @property
+    def auth_offered(self) -> bool:
+        """Whether AUTH can be used here (an auth file is set); HELP lists it only then."""
+        return self._server.users is not None
+
+    @syntax("AUTH <mechanism> [initial-response]", when="auth_offered")
     async def smtp_AUTH(self, arg: str | None) -> None:
         """RFC 4954 with PLAIN (RFC 4616) and LOGIN, only inside TLS and with an auth file."""
         users = self._server.users
