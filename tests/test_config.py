@@ -224,6 +224,8 @@ def test_load_settings_errors_in_process(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv("JSQUEUE_WORKER")
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path}: is a directory"):
+        load_settings(tmp_path)
     good = tmp_path / "good.toml"
     good.write_text("[http]\nport = 0\nqueue_depth_interval_s = 0\n")
     settings = load_settings(good)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -413,6 +415,23 @@ def test_scrypt_hash_round_trip() -> None:
     parsed = ScryptHash.parse(encoded)
     assert str(parsed) == encoded
     assert parsed.verify(b"s3cret") and not parsed.verify(b"S3cret")
+
+
+@pytest.mark.parametrize(("args", "status"), [("--help", 0), ("-h", 0), ("-x", 2), ("", 2)])
+def test_auth_line_tool_options_prompt_for_nothing(args: str, status: int) -> None:
+    """``python -m jsqueue.frontend.auth``: --help prints the usage, an option or no USER
+    is a usage error; none of them reads a password (stdin is a pipe that never ends)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "jsqueue.frontend.auth", *args.split()],
+        stdin=subprocess.PIPE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == status, run.stderr
+    assert "usage: python -m jsqueue.frontend.auth USER" in run.stdout + run.stderr
+    assert "password" not in run.stderr.lower()
 
 
 async def test_user_db(tmp_path: Path) -> None:

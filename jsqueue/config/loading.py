@@ -41,10 +41,11 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     """
     if config_file is not None:
         if not config_file.is_file():
-            raise ConfigError(f"config file {config_file}: not found")
+            raise ConfigError(f"config file {config_file}: {_not_a_file(config_file)}")
         os.environ[CONFIG_ENV] = str(config_file)
     elif os.environ.get(CONFIG_ENV) and not Path(os.environ[CONFIG_ENV]).is_file():
-        raise ConfigError(f"config file {os.environ[CONFIG_ENV]} (${CONFIG_ENV}): not found")
+        named = Path(os.environ[CONFIG_ENV])
+        raise ConfigError(f"config file {named} (${CONFIG_ENV}): {_not_a_file(named)}")
     _check_environment(os.environ)
     try:
         return Settings(**overrides)
@@ -60,6 +61,13 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise ConfigError(
             f"config file {os.environ.get(CONFIG_ENV)}: {not_utf8(e)} (TOML is UTF-8)"
         ) from None
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` (no regular file) is no config file: ``not found`` or what it is."""
+    if path.is_dir():
+        return "is a directory, not a TOML file"
+    return "not a regular file" if path.exists() else "not found"
 
 
 def not_utf8(e: UnicodeDecodeError) -> str:

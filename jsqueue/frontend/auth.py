@@ -184,11 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m jsqueue.frontend.auth USER``: prompt for a password, print ``USER:hash``.
 
     Returns:
-        the exit status: 0, or 2 for a missing or bad USER.
+        the exit status: 0 (also for ``-h``/``--help``, which prompts for nothing), or 2
+        for a missing or bad USER (an option is no USER).
     """
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or ":" in args[0]:
-        print("usage: python -m jsqueue.frontend.auth USER   (USER without ':')", file=sys.stderr)
+    usage = "usage: python -m jsqueue.frontend.auth USER   (USER without ':')"
+    if args in (["-h"], ["--help"]):
+        print(f"{usage}\nprompts for USER's password, prints the auth file line USER:hash")
+        return 0
+    if len(args) != 1 or ":" in args[0] or args[0].startswith("-"):
+        print(usage, file=sys.stderr)
         return 2
     password = getpass.getpass("password: ")
     print(f"{args[0]}:{hash_password(password)}")
