@@ -294,15 +294,17 @@ class JetStreamPublisher:
 
     :meth:`emit` appends to a buffer of at most ``buffer_size`` events (dropping the new event
     when full) and wakes the publishing task started by :meth:`start`. The task publishes
-    up to ``PUBLISH_WINDOW`` events at a time and waits for the stream's acks; a failed
-    publish is counted and logged, never retried (no delivery waits for it). Use
+    up to ``PUBLISH_WINDOW`` events at a time, confirmed by one ack of the stream (for the
+    last of them: :meth:`_publish`); a failed batch is counted and logged, never retried
+    (no delivery waits for it). Use
     :func:`open_publisher` for a publisher with its own NATS connection, so event traffic
     never queues behind (or in front of) work-item acks.
 
     Attributes:
-        published: events the stream acknowledged.
+        published: events the stream confirmed (its ack of the batch's last event).
         dropped: events discarded because the buffer was full or the publisher closed.
-        failed: events whose publish failed (timeout, no stream, connection closed).
+        failed: events of batches whose ack failed (timeout, no stream, connection
+            closed); some of them may be stored.
 
     Args:
         nc: a connected client (not closed by the publisher).
@@ -319,6 +321,7 @@ class JetStreamPublisher:
         buffer_size: int = BUFFER_SIZE,
         timeout_s: float = 5.0,
     ) -> None:
+        self.nc = nc
         self.js = nc.jetstream(timeout=timeout_s)
         self.names = names
         self.buffer_size = buffer_size
@@ -399,29 +402,40 @@ class JetStreamPublisher:
             batch = [self._buffer.popleft() for _ in range(min(PUBLISH_WINDOW, len(self._buffer)))]
             self._in_flight = len(batch)
             try:
-                results = await asyncio.gather(
-                    *(self._publish(e) for e in batch), return_exceptions=True
+                await self._publish(batch)
+            except Exception as e:  # any failure of the client or the stream: counted, logged
+                self.failed += len(batch)
+                self._warn_fail.warn(
+                    "events: publishing %d event(s) (the last a %s event of %s) failed: %r "
+                    "(%d failed)",
+                    len(batch),
+                    batch[-1].kind.value,
+                    batch[-1].queue_id,
+                    e,
+                    self.failed,
                 )
+            else:
+                self.published += len(batch)
             finally:
                 self._in_flight = 0
-            for event, result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):
-                    self.failed += 1
-                    self._warn_fail.warn(
-                        "events: publishing a %s event of %s failed: %r (%d failed)",
-                        event.kind.value,
-                        event.queue_id,
-                        result,
-                        self.failed,
-                    )
-                else:
-                    self.published += 1
 
-    async def _publish(self, event: Event) -> None:
+    async def _publish(self, batch: list[Event]) -> None:
+        """Every event of ``batch`` but the last without a reply subject (nats-server
+        stores it and answers nothing), then the last as a request for the stream's ack.
+        nats-server handles one connection's messages, and a stream its messages, in order,
+        so that ack confirms the batch: one request-reply per batch instead of per event.
+
+        Raises:
+            Exception: any failure of the ack's request (timeout, no stream, closed).
+        """
+        stream = self.names.events_stream
+        headers = {"Nats-Expected-Stream": stream}  # as js.publish(stream=...) sets it
+        for event in batch[:-1]:
+            subject = self.names.event_subject(event.kind.value)
+            await self.nc.publish(subject, event.to_json(), headers=dict(headers))
+        last = batch[-1]
         await self.js.publish(
-            self.names.event_subject(event.kind.value),
-            event.to_json(),
-            stream=self.names.events_stream,
+            self.names.event_subject(last.kind.value), last.to_json(), stream=stream
         )
 
 

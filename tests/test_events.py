@@ -176,6 +176,35 @@ async def test_admin_actions_are_published(
     assert {x.source for x in seen} == {"admin:ops@host"}
 
 
+async def test_a_batch_of_events_costs_one_request(
+    js_stores: Stores, nats_server: EmbeddedNats, nats_settings: NatsSettings, names: Names
+) -> None:
+    """Ten events buffered together (a message's recipients delivered in one attempt) go
+    out as one batch: nine without a reply subject, the last as a request whose ack
+    confirms them all, so the connection receives one reply, not ten; the stream holds
+    all ten, in order."""
+    qid = new_queue_id()
+    reply = Reply(code=250, enhanced="2.0.0", text="ok", remote_host="mx.example.test")
+    sent = [
+        Event(kind=EventKind.DELIVERED, queue_id=qid, recipient=f"r{i}@example.test", reply=reply)
+        for i in range(10)
+    ]
+    nc = await connect_nats(nats_settings, [nats_server.url])
+    try:
+        publisher = JetStreamPublisher(nc, names, timeout_s=5.0)
+        for e in sent:
+            publisher.emit(e)
+        replies_before = nc.stats["in_msgs"]
+        publisher.start()
+        assert await publisher.flush(10)
+        assert publisher.published == 10 and publisher.failed == 0
+        assert nc.stats["in_msgs"] - replies_before == 1
+        await publisher.close()
+    finally:
+        await nc.close()
+    assert await stored_events(nats_settings, nats_server.url, names) == sent
+
+
 async def test_emit_never_blocks_and_counts_losses(
     js_stores: Stores, nats_server: EmbeddedNats, nats_settings: NatsSettings
 ) -> None:
