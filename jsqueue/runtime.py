@@ -118,11 +118,11 @@ def build_worker(
     worker = settings.worker.model_copy(
         update={"own_names": [*settings.worker.own_names, settings.smtp.hostname]}
     )
-    if not telling_names([worker.ehlo_name, *worker.own_names]):
+    if not telling_names([worker.ehlo_name, *worker.own_names]) and not worker.own_addresses:
         log.warning(
             "worker.ehlo_name and smtp.hostname are %r and %r: an MX that points back at "
             "this queue is found only after smtp.max_received hops; set them to this "
-            "host's name",
+            "host's name (or worker.own_addresses to its addresses)",
             worker.ehlo_name,
             settings.smtp.hostname,
         )

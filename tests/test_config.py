@@ -176,6 +176,12 @@ INVALID = [
         id="own-names",
     ),
     pytest.param(
+        {"JSQUEUE_WORKER__OWN_ADDRESSES": '["192.0.2.1", "mx.example.test"]'},
+        None,
+        r"worker\.own_addresses: .*'mx.example.test'",
+        id="own-addresses",
+    ),
+    pytest.param(
         {"JSQUEUE_SMTP__POSTMASTER": "ops"},
         None,
         r"smtp\.postmaster: .*not an address: 'ops'",
@@ -373,6 +379,13 @@ def test_own_names_may_end_in_a_dot() -> None:
     dot ignored), so ``MX2.Example.Test.`` is taken as written."""
     names = ["MX2.Example.Test.", "[192.0.2.1]"]
     assert WorkerSettings(own_names=names).own_names == names
+
+
+def test_own_addresses_are_kept_in_their_normal_form() -> None:
+    """``worker.own_addresses`` are compared with MX addresses as IP addresses: an
+    IPv4-mapped one is its IPv4 address, an IPv6 one is compressed, white space dropped."""
+    given = [" ::ffff:192.0.2.1", "2001:DB8:0:0::25"]
+    assert WorkerSettings(own_addresses=given).own_addresses == ["192.0.2.1", "2001:db8::25"]
 
 
 def test_the_front_end_takes_the_dsn_postmaster_when_it_has_none() -> None:

@@ -16,7 +16,7 @@ from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
 from jsqueue.config import SmtpSettings, WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope
 from jsqueue.delivery.client import deliver
-from jsqueue.delivery.resolver import MxTarget
+from jsqueue.delivery.resolver import MxTarget, without_myself
 from jsqueue.delivery.signals import ours
 from jsqueue.envelope import Recipient
 from jsqueue.frontend.data import DataDecoder
@@ -138,6 +138,75 @@ async def test_myself_after_a_better_mx_that_failed_defers_with_its_failure() ->
     reply = result.replies["u@loop.example.test"]
     assert reply.is_temporary and "mx1.loop.example.test" in reply.text, reply
     assert first.connections == 1 and mirror.connections == 1
+
+
+def test_without_myself_drops_my_mx_and_every_one_not_better() -> None:
+    """RFC 5321 §5.1: the client that finds itself among the MX records discards that MX
+    and every MX of the same or a lower preference (a greater value), also ones listed
+    before it (equal preferences come in a random order); matched by address, an
+    IPv4-mapped address as its IPv4 address; the smarthost is never matched."""
+    me = "192.0.2.25"
+    targets = [
+        MxTarget(host="a.example.test", address="192.0.2.1", preference=5),
+        MxTarget(host="b.example.test", address="192.0.2.2", preference=10),
+        MxTarget(host="me.example.test", address=f"::ffff:{me}", preference=10),
+        MxTarget(host="c.example.test", address="192.0.2.3", preference=20),
+    ]
+    left, found = without_myself(targets, [me])
+    assert [t.host for t in left] == ["a.example.test"] and found == targets[2]
+    assert without_myself(targets, []) == (targets, None)
+    assert without_myself(targets, ["192.0.2.99"]) == (targets, None)
+    implicit = [MxTarget(host="example.test", address=me)]
+    assert without_myself(implicit, [me]) == ([], implicit[0])
+    relay = [MxTarget(host="relay.example.test", address=me, port=2526, relay=True)]
+    assert without_myself(relay, [me]) == (relay, None)
+
+
+async def test_the_best_mx_at_my_own_address_bounces_without_a_connection() -> None:
+    """An MX whose address is one of worker.own_addresses is this queue, whatever name it
+    would give: with it the best MX, the recipient fails with 554 5.4.6 and no target is
+    connected to (this one would take the mail again, the next one is discarded)."""
+    me, other = "127.0.2.144", "127.0.2.145"
+    port = shared_port([me, other])
+    async with ScriptedMx(me, port) as mirror, ScriptedMx(other, port) as second:
+        result = await deliver(
+            [
+                MxTarget(host="mx1.loop.example.test", address=me, preference=10),
+                MxTarget(host="mx2.loop.example.test", address=other, preference=20),
+            ],
+            _envelope(),
+            BODY,
+            WorkerSettings.model_validate({"mx_port": port, "own_addresses": [me]}),
+        )
+    reply = result.replies["u@loop.example.test"]
+    assert (reply.code, reply.enhanced) == (554, "5.4.6") and reply.is_permanent
+    assert "loops back to myself" in reply.text and "worker.own_addresses" in reply.text
+    assert mirror.connections == 0 and second.connections == 0
+
+
+async def test_a_better_mx_than_my_own_address_is_still_tried() -> None:
+    """A better MX is tried, and its temporary failure defers the message; the MX at this
+    queue's address and the worse one are not tried."""
+    better, me, worse = "127.0.2.146", "127.0.2.147", "127.0.2.148"
+    port = shared_port([better, me, worse])
+    async with (
+        ScriptedMx(better, port, greeting="421 4.3.2 busy") as first,
+        ScriptedMx(me, port) as mirror,
+        ScriptedMx(worse, port) as third,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.loop.example.test", address=better, preference=5),
+                MxTarget(host="mx2.loop.example.test", address=me, preference=10),
+                MxTarget(host="mx3.loop.example.test", address=worse, preference=20),
+            ],
+            _envelope(),
+            BODY,
+            WorkerSettings.model_validate({"mx_port": port, "own_addresses": [me]}),
+        )
+    reply = result.replies["u@loop.example.test"]
+    assert reply.is_temporary and "mx1.loop.example.test" in reply.text, reply
+    assert (first.connections, mirror.connections, third.connections) == (1, 0, 0)
 
 
 @pytest.mark.parametrize("starttls", [False, True])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from ipaddress import IPv4Network, IPv6Network, ip_address
+from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_address
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -344,6 +344,13 @@ class WorkerSettings(_Section):
         "queue, and the mail loops back (554 5.4.6, RFC 5321 §5.1); names without a dot "
         "and localhost are never taken for ours",
     )
+    own_addresses: list[str] = Field(
+        default_factory=list,
+        description="IP addresses at which this queue's SMTP front ends receive mail (public "
+        "addresses, a load balancer's): an MX at one of them is this queue, and it and every "
+        "MX of the same or a lower preference are dropped (RFC 5321 §5.1; 554 5.4.6 when it "
+        "is the best MX); the smarthost is never matched",
+    )
     mx_port: int = Field(25, ge=1, le=65535, description="TCP port of remote MXes")
     max_mx_addresses: int = Field(5, ge=1, description="MX addresses tried per attempt")
     nameservers: list[str] = Field(default_factory=list, description="resolver IPs; empty=system")
@@ -402,6 +409,21 @@ class WorkerSettings(_Section):
         for name in names:  # a name in an EHLO reply: a domain or an address literal
             _ehlo_domain(name.removesuffix("."))  # (matched with a final dot or without)
         return names
+
+    @field_validator("own_addresses")
+    @classmethod
+    def _own_addresses(cls, value: list[str]) -> list[str]:
+        """Each an IP address, in its normal form (``::ffff:192.0.2.1`` as ``192.0.2.1``).
+
+        Raises:
+            ValueError: one is not an IP address.
+        """
+        out = []
+        for v in value:
+            ip = ip_address(str(_ip(v)))
+            mapped = ip.ipv4_mapped if isinstance(ip, IPv6Address) else None
+            out.append(str(mapped or ip))
+        return out
 
     @field_validator("nameservers")
     @classmethod

@@ -18,11 +18,11 @@ from jsqueue.delivery.connections import ConnectionCache
 from jsqueue.delivery.dkim import DkimSigner
 from jsqueue.delivery.policy.decision import PolicyEngine, TlsPlan
 from jsqueue.delivery.policy.notes import fallback_note, last_failure, refused_reply, with_note
-from jsqueue.delivery.resolver import MxTarget, Resolver
+from jsqueue.delivery.resolver import MxTarget, Resolver, without_myself
 from jsqueue.delivery.responses import with_detail
 from jsqueue.delivery.session import LoopsBack, NextMx, OutboundSession, TlsFallback
 from jsqueue.errors import DeliveryError
-from jsqueue.replies import R451_CONNECT_FAILED, Reply, TlsNote
+from jsqueue.replies import R451_CONNECT_FAILED, R554_LOOPS_BACK, Reply, TlsNote
 
 __all__ = ["deliver", "deliver_domain"]
 
@@ -90,6 +90,9 @@ async def deliver(
     Returns:
         one reply per recipient address (each carrying the session's TLS note);
         never raises for network, protocol or TLS errors.
+        Targets at ``worker.own_addresses`` and every one of the same or a lower
+        preference are dropped first (RFC 5321 §5.1); when none is left, every recipient
+        gets ``554 5.4.6`` "loops back to myself".
         When every target failed, every recipient gets the last target's failure (e.g.
         ``451 4.4.1``, worded for the smarthost when the target is one) and ``tried_host``
         names that target.
@@ -100,6 +103,18 @@ async def deliver(
     if not targets:
         reply = with_detail(R451_CONNECT_FAILED, "no mail exchanger to try")
         return DeliveryResult(replies={r.address: reply for r in recipients})
+    targets, myself = without_myself(targets, settings.own_addresses)
+    if myself is not None:
+        detail = (
+            f"mail for {envelope.domain} loops back to myself: {myself.host} "
+            f"[{myself.address}] is one of worker.own_addresses"
+        )
+        log.error("%s; %d better MX target(s) left", detail, len(targets))
+        if not targets:  # this queue is the best MX: a permanent failure (RFC 3463 X.4.6)
+            reply = with_detail(R554_LOOPS_BACK, detail)
+            return DeliveryResult(
+                replies={r.address: reply for r in recipients}, tried_host=myself.host
+            )
     body_cache = BodyCache(body, signer, envelope.reverse_path)
     last: Reply | None = None  # every target that did not return set it
     earlier: list[TlsNote] = []  # TLS notes of the sessions that failed (RFC 8460 counts)

@@ -12,7 +12,7 @@ import ipaddress
 import logging
 import random
 import socket
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -358,10 +358,53 @@ def _usable(address: str) -> bool:
     server: not unspecified (``0.0.0.0``, ``::``, also IPv4-mapped: connecting reaches
     this host), multicast or the limited broadcast address (RFC 5321 §5.1: an MX pointing
     back at the sender is a loop)."""
+    ip = unmapped(address)  # ::ffff:0.0.0.0 is 0.0.0.0
+    return not (ip.is_unspecified or ip.is_multicast or str(ip) == "255.255.255.255")
+
+
+def unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``address`` as an IP address, an IPv4-mapped IPv6 address as the IPv4 address it
+    maps (what a connection to it reaches). Pure.
+
+    Raises:
+        ValueError: not an IP address.
+    """
     ip = ipaddress.ip_address(address)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:0.0.0.0 is 0.0.0.0
-    return not (ip.is_unspecified or ip.is_multicast or str(ip) == "255.255.255.255")
+        return ip.ipv4_mapped
+    return ip
+
+
+def without_myself(
+    targets: Sequence[MxTarget], own_addresses: Collection[str]
+) -> tuple[list[MxTarget], MxTarget | None]:
+    """RFC 5321 §5.1: "if the SMTP client finds itself among the MX records", it discards
+    that MX and every MX of the same or a lower preference (a greater value). The client is
+    found by address: a target at one of ``own_addresses`` (``worker.own_addresses``, in
+    their normal form). The smarthost is never matched (it may be this host on another
+    port), nor a target whose address is not an IP address. Pure.
+
+    Returns:
+        the targets left, in order, and the first target found to be this queue (None when
+        none was: the targets are returned unchanged).
+    """
+    if not own_addresses:
+        return list(targets), None
+
+    def mine(t: MxTarget) -> bool:
+        try:
+            return not t.relay and str(unmapped(t.address)) in own_addresses
+        except ValueError:
+            return False
+
+    me = next((t for t in targets if mine(t)), None)
+    if me is None:
+        return list(targets), None
+    if me.preference is None:  # an implicit MX or a literal: this host is the only MX
+        return [t for t in targets if t.relay], me
+    best = min(t.preference for t in targets if mine(t) and t.preference is not None)
+    left = [t for t in targets if t.preference is not None and t.preference < best]
+    return left, me
 
 
 class StaticResolver:
