@@ -378,8 +378,8 @@ def unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 def without_myself(
     targets: Sequence[MxTarget], own_addresses: Collection[str]
 ) -> tuple[list[MxTarget], MxTarget | None]:
-    """RFC 5321 §5.1: "if the SMTP client finds itself among the MX records", it discards
-    that MX and every MX of the same or a lower preference (a greater value). The client is
+    """RFC 5321 §5.1: an SMTP client that finds itself among the MX hosts discards that MX
+    and every MX of the same or a lower preference (a greater value). The client is
     found by address: a target at one of ``own_addresses`` (``worker.own_addresses``, in
     their normal form). The smarthost is never matched (it may be this host on another
     port), nor a target whose address is not an IP address. Pure.
