@@ -327,10 +327,27 @@ def record(
 def expire_all(entry: Entry, domain: str, now: datetime, policy: RetryPolicy) -> Entry | None:
     """Bounce the open recipients of ``domain`` whose lifetime ran out before an attempt.
 
+    A recipient that failed before and whose next attempt was scheduled within the lifetime
+    (at the latest *at* the deadline, the policy's final try: :mod:`jsqueue.retry`) is owed
+    that attempt, however late it comes (a due time is reached a moment after it, or after
+    a worker outage): the domain is attempted, and the failure of that try expires it
+    (:func:`record`), as RFC 5321 §4.5.4.1 gives up only after retries. Only recipients
+    not owed an attempt expire here: never tried (a message older than its lifetime when
+    first picked up), or put off past the deadline without an attempt (a dead site, a flush
+    after the deadline).
+
     Returns:
-        the new entry, or None when the lifetime has not run out (RFC 5321 §4.5.4.1).
+        the new entry, or None when the lifetime has not run out or an open recipient of
+        ``domain`` is owed its final try.
     """
-    if now < policy.deadline(entry.created_at) or not entry.open_recipients(domain):
+    deadline = policy.deadline(entry.created_at)
+    open_ = entry.open_recipients(domain)
+    if now < deadline or not open_:
+        return None
+    if any(
+        r.attempts and r.next_attempt_at is not None and r.next_attempt_at <= deadline
+        for r in open_
+    ):
         return None
     new = _copy(entry)
     new.leases.pop(domain, None)

@@ -8,12 +8,12 @@ import email.utils
 import re
 from datetime import UTC, datetime
 
-from test_worker import SENDER_ZONE, dsn_parts, gone
+from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
 
 from jsqueue.envelope import RecipientState
 from support.cases import case_message, case_text
 from support.frontend import split_body
-from support.mx import ScriptedMx, SmtpdMx
+from support.mx import ScriptedMx, Session, SmtpdMx
 from support.queue import Harness, eventually
 
 SRC_ZONE = """
@@ -169,6 +169,33 @@ async def test_one_dsn_per_event_then_expiry(queue_harness: Harness) -> None:
     assert [str(g["Final-Recipient"]) for g in second] == ["rfc822; soft@four.example.test"]
     assert second[0]["Status"] == "4.4.7"
     assert "451 4.3.0 try later" in str(second[0]["Diagnostic-Code"])
+
+
+async def test_the_final_try_at_the_deadline_is_made(queue_harness: Harness) -> None:
+    """RFC 5321 §4.5.4.1: a recipient retried until its lifetime runs out gets its last
+    attempt *at* the deadline (:mod:`jsqueue.retry`), and only the failure of that try
+    bounces it. Lifetime 6 s, retries every 3 s: tries at about 0 s and 3 s are refused,
+    the one at 6 s is accepted, so the mail is delivered and no DSN is sent."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3.0, "factor": 1.0, "jitter": 0.0, "max_age_s": 6.0})
+    domain = "last.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.90"))
+
+    def greylist_twice(session: Session, line: str) -> str | None:
+        if line.upper().startswith("RCPT") and len(mx.sessions) < 3:
+            return "451 4.7.1 greylisted, try again later"
+        return None
+
+    async with (
+        ScriptedMx("127.0.2.90", h.mx_port, hook=greylist_twice) as mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(b"Subject: last try\r\n\r\nbody\r\n", [f"u@{domain}"])
+        async with h.running():
+            await eventually(lambda: gone(h, qid), 20, what="the entry settled")
+    assert len(mx.sessions) == 3, "the final try at the deadline was not made"
+    assert [t.rcpt_to for t in mx.delivered] == [[f"u@{domain}"]]
+    assert sender_mx.delivered == [], "no DSN: the final try delivered it"
 
 
 async def test_notify_and_delay_warning(queue_harness: Harness) -> None:

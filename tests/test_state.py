@@ -182,6 +182,43 @@ def test_expiry_bounces_with_last_reply_and_null_path_fails() -> None:
     assert expire_all(null, "mixed.example.test", T0, POLICY) is None
 
 
+def test_the_final_try_at_the_deadline_is_made_before_anything_expires() -> None:
+    """RFC 5321 §4.5.4.1, :mod:`jsqueue.retry`: after a failure the last attempt is
+    scheduled *at* the deadline and the failure of that try expires the recipient. Its work
+    item comes back at (or a moment after) the deadline: the claim must not expire it
+    first, or the final try is never made and mail the next hop would take now bounces."""
+    e = make_entry("a@mixed.example.test", "b@mixed.example.test")
+    deadline = POLICY.deadline(T0)
+    tried, _ = record(
+        e,
+        "mixed.example.test",
+        {a: reply(451, "4.7.1") for a in ("a@mixed.example.test", "b@mixed.example.test")},
+        deadline - timedelta(seconds=30),
+        POLICY,
+        random.Random(1),
+    )
+    assert [r.next_attempt_at for r in tried.recipients] == [deadline, deadline]
+    for late in (deadline, deadline + timedelta(milliseconds=300), deadline + timedelta(days=1)):
+        assert expire_all(tried, "mixed.example.test", late, POLICY) is None
+    # That try: a failure expires its recipient (no further retry), a 250 delivers.
+    _, rec = record(
+        tried,
+        "mixed.example.test",
+        {"a@mixed.example.test": reply(451, "4.7.1"), "b@mixed.example.test": reply(250, "2.0.0")},
+        deadline + timedelta(milliseconds=300),
+        POLICY,
+        random.Random(1),
+    )
+    assert [r.address for r in rec.expired] == ["a@mixed.example.test"]
+    assert [r.address for r in rec.delivered] == ["b@mixed.example.test"]
+    # Never tried, or put off past the deadline without a try: expired at the claim.
+    assert expire_all(e, "mixed.example.test", deadline, POLICY) is not None
+    put_off = tried.model_copy(deep=True)
+    for r in put_off.recipients:
+        r.next_attempt_at = deadline + timedelta(minutes=5)
+    assert expire_all(put_off, "mixed.example.test", deadline + timedelta(minutes=5), POLICY)
+
+
 def test_settled_waits_for_every_destination() -> None:
     """One DSN per message and event (RFC 3464 §2): not while another domain is pending."""
     e = make_entry("a@one.example.test", "b@two.example.test")
