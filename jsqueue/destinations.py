@@ -44,6 +44,7 @@ from jsqueue.events import NULL_OBSERVER, Event, EventKind, Observer
 from jsqueue.limits import SiteSnapshot, SiteState, SiteStatus
 from jsqueue.names import probe_key, rate_key, site_key, slot_key
 from jsqueue.replies import R451_SITE_DOWN, Reply
+from jsqueue.retry import MIN_DELAY_S
 from jsqueue.store import layout
 from jsqueue.store.base import DestinationStore, Due, Stores, Versioned
 
@@ -625,20 +626,33 @@ class Gate:
 
 
 async def put_back(
-    stores: Stores, due: Due, v: Versioned, admission: Admission, source: str
+    stores: Stores,
+    due: Due,
+    v: Versioned,
+    admission: Admission,
+    source: str,
+    deadline: datetime | None = None,
 ) -> None:
     """Put a work item that was not admitted back, without a delivery attempt: NAK with
     the admission's delay. For a dead site (RFC 5321 §4.5.4.1) the open recipients of the
     item's domain first get the ``451 4.4.1 … site down until …`` reply and the end of the
     cool-off as their next attempt, by compare-and-set (a lost one is not retried: the
     item is put back all the same, and the entry shows the reply at the next deferral).
+    A cool-off that ends after the message's ``deadline`` (the end of its lifetime) puts
+    it back until the deadline only: the worker then makes the final try, or expires it
+    while the site is still down, at the deadline and not a cool-off later.
 
     Raises:
         StoreUnavailable: the NAK failed (the item comes back after the ack wait).
     """
     item = due.item
+    delay_s = admission.delay_s
     if admission.reply is not None:
-        until = utcnow() + timedelta(seconds=admission.delay_s)
+        now = utcnow()
+        until = now + timedelta(seconds=delay_s)
+        if deadline is not None and deadline < until:
+            until = max(deadline, now + timedelta(seconds=MIN_DELAY_S))
+            delay_s = (until - now).total_seconds()
         new = state.site_deferred(v.entry, item.domain, admission.reply, until)
         if new is not None:
             with contextlib.suppress(RevisionConflict, EntryTooLarge, StoreUnavailable):
@@ -668,4 +682,4 @@ async def put_back(
             admission.reason,
             admission.delay_s,
         )
-    await due.retry(admission.delay_s)
+    await due.retry(delay_s)

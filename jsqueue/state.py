@@ -324,7 +324,9 @@ def record(
     return new, done
 
 
-def expire_all(entry: Entry, domain: str, now: datetime, policy: RetryPolicy) -> Entry | None:
+def expire_all(
+    entry: Entry, domain: str, now: datetime, policy: RetryPolicy, *, tries: bool = True
+) -> Entry | None:
     """Bounce the open recipients of ``domain`` whose lifetime ran out before an attempt.
 
     A recipient that failed before and whose next attempt was scheduled within the lifetime
@@ -333,18 +335,19 @@ def expire_all(entry: Entry, domain: str, now: datetime, policy: RetryPolicy) ->
     a worker outage): the domain is attempted, and the failure of that try expires it
     (:func:`record`), as RFC 5321 §4.5.4.1 gives up only after retries. Only recipients
     not owed an attempt expire here: never tried (a message older than its lifetime when
-    first picked up), or put off past the deadline without an attempt (a dead site, a flush
-    after the deadline).
+    first picked up), or put off past the deadline without an attempt (a flush after the
+    deadline); with ``tries`` False (the destination site is down: no try can be made now,
+    RFC 5321 §4.5.4.1) every open recipient past the deadline expires.
 
     Returns:
-        the new entry, or None when the lifetime has not run out or an open recipient of
-        ``domain`` is owed its final try.
+        the new entry, or None when the lifetime has not run out, or (with ``tries``) an
+        open recipient of ``domain`` is owed its final try.
     """
     deadline = policy.deadline(entry.created_at)
     open_ = entry.open_recipients(domain)
     if now < deadline or not open_:
         return None
-    if any(
+    if tries and any(
         r.attempts and r.next_attempt_at is not None and r.next_attempt_at <= deadline
         for r in open_
     ):

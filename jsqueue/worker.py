@@ -337,10 +337,9 @@ class Worker:
         item = due.item
         # The newest version another task of this process read or wrote (another domain of
         # the message): the claim is tried on it without a read. Only what a compare-and-set
-        # checks is decided on it (the claim, an expiry); a decision that writes nothing
-        # (drop, later) waits for the entry read now. A site that admits nothing puts the
-        # item back on it too: the NAK does not depend on it, and the site-down reply it
-        # writes is best effort (destinations.put_back).
+        # checks is decided on it (the claim, an expiry); one that writes nothing (drop,
+        # later) waits for the entry read now. A site that admits nothing puts the item back
+        # on it too (the NAK does not depend on it; the site-down reply is best effort).
         seed = turn.newest
         start: Versioned | str = item.queue_id if seed is None else seed
         async for read in cas.reads(self.stores.entries, start, strict=False):
@@ -382,8 +381,22 @@ class Worker:
                 await due.retry(delay_s)
                 return None
             assert v is not None
-            expired = state.expire_all(v.entry, item.domain, now, self._policy(v.entry))
+            policy = self._policy(v.entry)
+            expired = state.expire_all(v.entry, item.domain, now, policy)
             try:
+                if expired is None and key in self._busy:  # another task of ours claimed it
+                    await due.retry(1.0)
+                    return None
+                if expired is None and self.sites is not None and gate.admission is None:
+                    # before the claim: a full or dead site costs no lease write
+                    gate.admission = await self.sites.admit(item.domain)
+                if expired is None and gate.admission is not None and not gate.admission.go:
+                    if gate.admission.reply is not None:  # down: no final try at the deadline
+                        expired = state.expire_all(v.entry, item.domain, now, policy, tries=False)
+                    if expired is None:
+                        deadline = policy.deadline(v.entry.created_at)
+                        await put_back(self.stores, due, v, gate.admission, self._source, deadline)
+                        return None
                 if expired is not None:
                     before = v.entry
                     v = await self._update(expired, v.revision)
@@ -393,15 +406,6 @@ class Worker:
                     await self._finish(v)
                     await due.ack()
                     return None
-                if key in self._busy:  # another task of ours claimed it meanwhile
-                    await due.retry(1.0)
-                    return None
-                if self.sites is not None and gate.admission is None:
-                    # before the claim: a full or dead site costs no lease write
-                    gate.admission = await self.sites.admit(item.domain)
-                    if not gate.admission.go:
-                        await put_back(self.stores, due, v, gate.admission, self._source)
-                        return None
                 claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
                 old = v.entry.leases.get(item.domain)
                 self._busy.add(key)

@@ -198,6 +198,29 @@ async def test_the_final_try_at_the_deadline_is_made(queue_harness: Harness) -> 
     assert sender_mx.delivered == [], "no DSN: the final try delivered it"
 
 
+async def test_a_dead_site_does_not_put_off_the_expiry(queue_harness: Harness) -> None:
+    """RFC 5321 §4.5.4.1: a site that refuses every connection is marked down (the
+    dead-site list) and its mail is put back until the cool-off ends, without an attempt.
+    A cool-off that ends after a message's lifetime must not carry the message past it:
+    lifetime 8 s, cool-off 300 s, the site down after 2 failures; the message expires
+    (4.4.7) at about 8 s, not when the cool-off ends."""
+    h = queue_harness
+    h.configure(
+        retry={"base_s": 1.0, "factor": 1.0, "jitter": 0.0, "max_age_s": 8.0},
+        destinations={"dead_after": 2, "cool_off_s": 300.0},
+    )
+    domain = "dead.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.99"))  # nothing listens there: connection refused
+    async with SmtpdMx("127.0.2.1", h.mx_port) as sender_mx:
+        qid = await h.submit(b"Subject: dead site\r\n\r\nbody\r\n", [f"u@{domain}"])
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 1, 20, what="the expiry DSN")
+            await eventually(lambda: gone(h, qid), what="original removed")
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert [str(g["Final-Recipient"]) for g in groups] == [f"rfc822; u@{domain}"]
+    assert (groups[0]["Action"], groups[0]["Status"]) == ("failed", "4.4.7")
+
+
 async def test_notify_and_delay_warning(queue_harness: Harness) -> None:
     """RFC 3461 §4.1: NOTIFY=NEVER suppresses the failure DSN; NOTIFY=SUCCESS gives a success
     DSN; with delay warnings on, a deferred NOTIFY=DELAY recipient gets one "delayed" DSN
