@@ -148,7 +148,9 @@ async def test_recipient_limit_sends_the_rest_in_further_transactions(
 async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one(
     pipelining: bool,
 ) -> None:
-    """The extra transactions are bounded: one that accepts no recipient at all ends them;
+    """The extra transactions are bounded: one that accepts no recipient at all ends them
+    on its connection, one new connection is tried for them (the limit may be the
+    connection's), and a session whose first transaction accepts no one ends the attempt;
     its recipients are deferred with the 452 (never bounced). Pipelined, the first group
     offers every RCPT (RFC 2920); one at a time, the first 452 ends it."""
     host = "127.0.2.121"
@@ -176,7 +178,37 @@ async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one(
     assert all(result.replies[a].code == 452 for a in rcpts[1:])
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[:1]]
     offered = [n for s in mx.sessions for n in s.rcpt_counts()]
-    assert offered == ([3, 2] if pipelining else [2, 2])
+    assert offered == ([3, 2, 2] if pipelining else [2, 2, 2])
+    assert mx.connections == 2
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+async def test_a_recipient_limit_per_connection_sends_the_rest_on_new_connections(
+    pipelining: bool,
+) -> None:
+    """RFC 5321 §4.5.3.1.10: a server whose limit counts the recipients of a connection
+    (not of a transaction) answers 452 to every RCPT of the further transaction on the
+    same connection. The rest are not left for the next retry: a new connection takes
+    them, two per connection here, all within one attempt."""
+    host = "127.0.2.122"
+    port = shared_port([host])
+    rcpts = [f"u{i}@limit.example.test" for i in range(5)]
+
+    def two_per_connection(session: Session, line: str) -> str | None:
+        if line.upper().startswith("RCPT") and sum(session.rcpt_counts()) > 2:
+            return "452 4.5.3 Too many recipients for this connection"
+        return None
+
+    async with ScriptedMx(host, port, hook=two_per_connection) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.limit.example.test", address=host)],
+            envelope_of(*rcpts),
+            BODY,
+            client_settings(port, pipelining=pipelining),
+        )
+    assert result.delivered == rcpts, result.replies
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:]]
+    assert mx.connections == 3
 
 
 @pytest.mark.parametrize("pipelining", [True, False])

@@ -29,7 +29,13 @@ from jsqueue.delivery.connections import (
 from jsqueue.delivery.pipelining import pipelined_transaction
 from jsqueue.delivery.policy.decision import MANUAL, TlsPlan
 from jsqueue.delivery.resolver import MxTarget
-from jsqueue.delivery.responses import hop_reply, rcpt_reply, to_reply, with_detail
+from jsqueue.delivery.responses import (
+    hop_reply,
+    rcpt_reply,
+    to_reply,
+    too_many_recipients,
+    with_detail,
+)
 from jsqueue.delivery.signals import Failed, LoopsBack, NextMx, TlsFallback, is_loopback, ours
 from jsqueue.delivery.starttls import starttls
 from jsqueue.delivery.sync import Desync, GuardedSMTP, check_sync, impossible_reply
@@ -409,7 +415,8 @@ class OutboundSession:
     async def _transactions(self, extensions: dict[str, str]) -> DeliveryResult:
         """One transaction for the recipients, then one more on this connection for those
         a recipient limit left over (RFC 5321 §4.5.3.1.10), while each accepts someone and
-        the connection stays usable; what is left then is in :attr:`carry`.
+        the connection stays usable; what is left then is in :attr:`carry` (also when a
+        further transaction got only limit replies: a new connection may take them).
 
         Raises:
             NextMx: the first transaction failed before any recipient was accepted.
@@ -440,6 +447,13 @@ class OutboundSession:
                 self.carry, self.reusable = pending, False
                 break
             replies.update(more.replies)
+            got = more.replies
+            if all(r.address in got and too_many_recipients(got[r.address]) for r in pending):
+                # A limit per connection, not per transaction: this connection took none of
+                # them, a new one may (RFC 5321 §4.5.3.1.10). :func:`_rest` stops at the
+                # first session that takes no one.
+                self.carry = pending
+                break
         return self._result(replies)
 
     def _desynced(self, e: Desync, pending: list[Recipient], replies: dict[str, Reply]) -> None:
