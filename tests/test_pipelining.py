@@ -493,6 +493,30 @@ async def test_rcpt_failure_after_an_accepted_recipient_goes_to_the_next_mx(
 
 
 @PATHS
+async def test_421_to_data_goes_to_the_next_mx_on_both_paths(pipelining: bool) -> None:
+    """A 421 to DATA (RFC 5321 §3.8: the server closes the channel): no body went out, so
+    the next MX gets every recipient, pipelined or not (one command at a time used to defer
+    them on the first MX)."""
+    bad, good = "127.0.2.237", "127.0.2.238"
+    port = shared_port([bad, good])
+    async with (
+        ScriptedMx(bad, port, data="421 4.3.2 going down") as first,
+        SmtpdMx(good, port, pipelining=pipelining) as second,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.p.example.test", address=bad),
+                MxTarget(host="mx2.p.example.test", address=good),
+            ],
+            envelope(A, B),
+            body(),
+            settings_for(port, pipelining=pipelining),
+        )
+    assert result.delivered == [A, B], result.replies
+    assert first.delivered == [] and [t.rcpt_to for t in second.delivered] == [[A, B]]
+
+
+@PATHS
 @pytest.mark.parametrize(
     ("verb", "reply"),
     [

@@ -557,6 +557,8 @@ class OutboundSession:
             )
         except Failed as e:
             return accepted_get(e.reply)
+        if start.code == 421:  # no body went out: the next MX, as in the pipelined group
+            raise NextMx(start)
         if start.code != 354:
             if not (start.is_temporary or start.is_permanent):
                 start = with_detail(R451_PROTOCOL_ERROR, f"{self.where()}: {start.code} to DATA")
