@@ -4,6 +4,7 @@ roles, the queue routes through the admin operations, injection through the inge
 from __future__ import annotations
 
 import base64
+import json
 
 from jsqueue.envelope import EntryState
 from jsqueue.events import EventKind, tail
@@ -181,3 +182,55 @@ async def test_destinations_as_dest_ls_and_dest_show(api_env: ApiEnv) -> None:
     assert status == 200 and quiet["sessions"] == 0 and quiet["status"] == "up"
     assert (await api_env.call("GET", "/api/v1/destinations", role="inject"))[0] == 403
     assert (await api_env.call("GET", "/api/v1/destinations/a b", role="read"))[0] == 422
+
+
+async def test_a_body_declared_as_something_other_than_json_is_415(api_env: ApiEnv) -> None:
+    """RFC 9110 §15.5.16, §8.3: a request body whose Content-Type says it is not JSON (a
+    form, text, XML, multipart, or JSON in a charset other than UTF-8, RFC 8259 §8.1) is
+    refused with 415 naming ``application/json`` (and ``Accept: application/json``), even
+    when its octets happen to parse as JSON, and nothing is stored; ``application/json``
+    with or without ``charset=utf-8``, a ``+json`` type, or no Content-Type at all is
+    read as JSON."""
+    payload = json.dumps(raw_body()).encode()
+    for wrong in (
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/xml",
+        "application/json; charset=iso-8859-1",
+        "application/jsonx",
+    ):
+        status, err = await api_env.call(
+            "POST",
+            "/api/v1/inject",
+            role="inject",
+            data=payload,
+            headers={"Content-Type": wrong},
+        )
+        assert status == 415, (wrong, status, err)
+        assert err["error"] == "unsupported media type"
+        assert "application/json" in err["detail"] and wrong.split(";")[0] in err["detail"]
+        status, err = await api_env.call(
+            "POST", "/api/v1/actions/hold", data=b'{"all": true}', headers={"Content-Type": wrong}
+        )
+        assert status == 415, (wrong, status, err)
+    async with api_env.session.post(
+        api_env.url + "/api/v1/inject",
+        data=payload,
+        headers={**api_env.auth("inject"), "Content-Type": "text/plain"},
+    ) as r:
+        assert r.headers.get("Accept") == "application/json"
+    assert await api_env.stores.entries.page() == []
+    for right in ("application/json", "Application/JSON; charset=UTF-8", "application/x+json"):
+        status, body = await api_env.call(
+            "POST", "/api/v1/inject", role="inject", data=payload, headers={"Content-Type": right}
+        )
+        assert status == 202, (right, body)
+    async with api_env.session.post(
+        api_env.url + "/api/v1/inject",
+        data=payload,
+        headers=api_env.auth("inject"),
+        skip_auto_headers=["Content-Type"],  # none at all: read as JSON (RFC 9110 §8.3)
+    ) as r:
+        assert r.status == 202, await r.text()
+    assert len(await api_env.stores.entries.page()) == 4

@@ -31,6 +31,7 @@ _REASONS = {
     405: "method not allowed",
     409: "conflict",
     413: "request or message too large (smtp.max_message_size)",
+    415: "the body's Content-Type is not application/json (or a +json type)",
     422: "the path, query or body does not validate",
     503: "NATS unreachable or failing: nothing was done or stored; retry after Retry-After",
 }
@@ -126,7 +127,8 @@ def _operation(route: Route, defs: dict[str, Any]) -> dict[str, Any]:
             else "success",
             "content": _json(route.response),
         }
-    for status in sorted({*_COMMON_ERRORS, *route.errors}):
+    body_errors = (415,) if route.body is not None else ()
+    for status in sorted({*_COMMON_ERRORS, *route.errors, *body_errors}):
         responses[str(status)] = {"description": _REASONS[status], "content": _json(ErrorBody)}
     responses["401"]["headers"] = {
         "WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer challenge"}

@@ -11,9 +11,10 @@ document cannot drift from what is served.
 
 Status codes (RFC 9110 §15, RFC 6750 §3.1): 401 no or unknown token (with
 ``WWW-Authenticate: Bearer``), 403 the token lacks the role, 404 no such route or entry,
-405 wrong method, 413 request or message too large, 422 a query, path or body that does
-not validate, 503 NATS unreachable or failing (with ``Retry-After``), never 500 by design
-(an unexpected error is logged with its traceback and answered 500).
+405 wrong method, 413 request or message too large, 415 a body whose Content-Type is not
+JSON (:func:`json_media_type`), 422 a query, path or body that does not validate, 503
+NATS unreachable or failing (with ``Retry-After``), never 500 by design (an unexpected
+error is logged with its traceback and answered 500).
 """
 
 from __future__ import annotations
@@ -152,6 +153,42 @@ def authenticate(request: web.Request) -> Token | None:
     return request.app[_TOKENS_KEY].authenticate(secret)
 
 
+#: The media type of every request body (RFC 8259 §11); ``+json`` types are JSON too (RFC
+#: 6839 §3.1).
+JSON_MEDIA_TYPE = "application/json"
+
+
+def json_media_type(content_type: str | None) -> str | None:
+    """Why a request body with this ``Content-Type`` is not JSON, or None when it is.
+
+    No header at all is read as JSON (RFC 9110 §8.3 lets the recipient decide); a header
+    naming another type (a form, as ``curl -d`` sends, text, XML, multipart), or a charset
+    other than UTF-8 (RFC 8259 §8.1), is refused with 415 (RFC 9110 §15.5.16), even when
+    the octets happen to parse as JSON: the client meant something else. Pure.
+
+    Args:
+        content_type: the request's ``Content-Type`` header value, or None when absent.
+
+    Returns:
+        None for JSON, else the 415's detail naming what was sent and what is expected.
+    """
+    if content_type is None:
+        return None
+    media, _, params = content_type.partition(";")
+    media = media.strip().lower()
+    expected = f"send the body as JSON with Content-Type: {JSON_MEDIA_TYPE}"
+    if media != JSON_MEDIA_TYPE and not (
+        media.startswith("application/") and media.endswith("+json")
+    ):
+        return f"Content-Type {media[:80]!r} is not JSON; {expected}"
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        charset = value.strip().strip('"').lower()
+        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            return f"charset {charset[:40]!r}: JSON is UTF-8 (RFC 8259 §8.1); {expected}"
+    return None
+
+
 def _query_values(request: web.Request, model: type[BaseModel]) -> dict[str, Any]:
     """The query as a dict for ``model``: repeatable (list) fields take every value."""
     out: dict[str, Any] = {}
@@ -207,6 +244,11 @@ def _serve(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse
             body = None
             if route.body is not None:
                 raw = await request.read()
+                not_json = json_media_type(request.headers.get("Content-Type")) if raw else None
+                if not_json is not None:
+                    return error_response(
+                        415, "unsupported media type", not_json, {"Accept": JSON_MEDIA_TYPE}
+                    )
                 if raw.strip():
                     body = route.body.model_validate_json(raw, strict=True)
                 elif route.body_required:
