@@ -194,6 +194,18 @@ INVALID = [
         id="postmaster-space",
     ),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
+    pytest.param(
+        {},
+        "[nats]\nack_wait_s = inf\n",
+        r"^jsqueue: invalid configuration: nats\.ack_wait_s: .*finite number",
+        id="toml-inf",
+    ),
+    pytest.param(
+        {"JSQUEUE_RETRY__FACTOR": "nan"},
+        None,
+        r"retry\.factor: .*finite number.* \(from JSQUEUE_RETRY__FACTOR\)",
+        id="env-nan",
+    ),
 ]
 
 
@@ -397,3 +409,28 @@ def test_the_front_end_takes_the_dsn_postmaster_when_it_has_none() -> None:
     own = SmtpSettings(postmaster="ops@example.test")
     assert Settings(smtp=own, dsn=dsn).front_end().postmaster == "ops@example.test"
     assert Settings().front_end().postmaster == ""
+
+
+def test_no_numeric_setting_takes_an_infinity_or_nan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOML and pydantic read ``inf``/``nan``; no setting means anything by them (``0`` is
+    "off" where a setting can be off), and they broke the process later, far from the
+    setting (an infinite ``nats.ack_wait_s`` was an OverflowError traceback while the
+    consumer was provisioned): every int or float setting refuses them at load, naming
+    itself."""
+    monkeypatch.delenv("JSQUEUE_CONFIG", raising=False)
+    defaults = Settings()
+    numeric = []
+    for path in setting_paths():
+        value: object = defaults
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            numeric.append(path)
+    assert {"nats.ack_wait_s", "smtp.session_timeout_s", "retry.factor"} <= set(numeric)
+    for path in numeric:
+        name = "JSQUEUE_" + path.upper().replace(".", "__")
+        for bad in ("inf", "-inf", "nan", "Infinity"):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: "):
+                load_settings()
+        monkeypatch.delenv(name)

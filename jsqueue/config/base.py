@@ -1,6 +1,7 @@
-"""The base of every settings section (:class:`_Section`): unknown keys are errors and a
-boolean is never a number. Its own module so that section modules (e.g.
-:mod:`jsqueue.config.dkim`) and :mod:`jsqueue.config.sections` can both import it."""
+"""The base of every settings section (:class:`_Section`): unknown keys are errors, a
+boolean is never a number, and no number is infinite or NaN. Its own module so that
+section modules (e.g. :mod:`jsqueue.config.dkim`) and :mod:`jsqueue.config.sections` can
+both import it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ __all__ = ["_Section"]
 
 class _Section(BaseModel):
     """A settings section: unknown keys are errors (a typo in a TOML file or a
-    ``JSQUEUE_<SECTION>__<NAME>`` variable must not be silently ignored)."""
+    ``JSQUEUE_<SECTION>__<NAME>`` variable must not be silently ignored), and so are
+    ``inf`` and ``nan`` (TOML has them, pydantic reads them from text): no setting means
+    anything by them, and they failed far from the setting (an OverflowError when a
+    duration became nanoseconds, a timer that never fires)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
