@@ -423,6 +423,42 @@ async def test_client_stalling_in_data_times_out(mem: Stores) -> None:
     assert await entries_of(mem) == [] and memory_body_count(mem) == 0
 
 
+@pytest.mark.parametrize("quit_", [True, False], ids=["quit", "no-quit"])
+async def test_a_client_that_half_closes_after_its_commands_gets_every_reply(
+    mem: Stores, quit_: bool
+) -> None:
+    """A client that writes its whole session and then shuts down its sending side (``nc
+    -N host 25 < session.txt``, a script's socket ``shutdown(SHUT_WR)``) has every command
+    it sent before the end of its stream answered, in order, and a complete message is
+    stored before its 250 (RFC 5321 §4.1.1.4, §3.8: the session ends at QUIT or at the
+    end of the client's input, as Postfix's smtpd does); the EOF must not drop the
+    commands still buffered or a message already terminated. The same EOF inside DATA,
+    before the terminator, stores nothing and sends no 250."""
+    session = (
+        b"EHLO client.example.test\r\nMAIL FROM:<a@example.test>\r\n"
+        b"RCPT TO:<b@dest.example.test>\r\nDATA\r\n" + dot_stuff(MESSAGE)
+    ) + (b"QUIT\r\n" if quit_ else b"")
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.send(session)
+        w.writer.write_eof()
+        codes = [(await w.reply()).code for _ in range(4)]
+        assert codes == [250, 250, 250, 354]
+        qid = queued_id(await w.reply())
+        if quit_:
+            assert (await w.reply()).code == 221
+        assert await w.closed() == b""
+        [entry] = await entries_of(mem)
+        assert entry.id == qid and [r.address for r in entry.recipients] == ["b@dest.example.test"]
+
+        w = await Wire.connect(server.port)
+        await w.send(session[: session.index(b"Hello.")])
+        w.writer.write_eof()
+        assert [(await w.reply()).code for _ in range(4)] == [250, 250, 250, 354]
+        assert await w.closed() == b""
+    assert len(await entries_of(mem)) == 1 and memory_body_count(mem) == 1
+
+
 async def test_stop_lets_a_transaction_in_data_finish(mem: Stores) -> None:
     """Graceful drain: a session in DATA when stop() is called still gets its 250 (the
     message is stored), then 421 4.3.2 and the connection is closed."""

@@ -38,7 +38,7 @@ from jsqueue.frontend.syntax import (
     parse_size,
     require_utf8_allowed,
 )
-from jsqueue.frontend.transaction import ExceptionHook, Transaction, client_ip
+from jsqueue.frontend.transaction import CommandReader, ExceptionHook, Transaction, client_ip
 from jsqueue.frontend.wire import (
     commands_in,
     is_closing,
@@ -156,7 +156,20 @@ class InboundSession(SMTP):
             self._server.release(self)
         super().connection_lost(error)
 
+    def eof_received(self) -> bool | None:
+        """The client shut down its sending side: the commands it sent before are still
+        answered, and a message already terminated is stored before its 250 (``nc -N``,
+        scripts; as Postfix's smtpd), where aiosmtpd stopped the session at once. The
+        command loop then ends (:class:`CommandReader`). Over TLS, which has no half-close,
+        as aiosmtpd."""
+        if self.session is None or self.session.ssl is not None:
+            return super().eof_received()
+        log.info("%r end of input", self.session.peer)
+        return asyncio.StreamReaderProtocol.eof_received(self)  # feed EOF, keep writing
+
     async def _handle_client(self) -> None:
+        # aiosmtpd builds its reader inline; ours ends the command loop at the client's EOF.
+        self._reader.__class__ = CommandReader
         if self._refused:
             await self._reply(R421_TOO_MANY_SESSIONS)
             self._close()

@@ -1,10 +1,13 @@
 """The state a front-end session keeps per mail transaction (:class:`Transaction`, RFC
-5321 §3.3), the client's address from its peer name (:func:`client_ip`), and the aiosmtpd
-handler that turns an unexpected error in a command into a ``451`` (:class:`ExceptionHook`).
+5321 §3.3), the client's address from its peer name (:func:`client_ip`), the aiosmtpd
+handler that turns an unexpected error in a command into a ``451`` (:class:`ExceptionHook`),
+and the stream reader that ends the command loop at the client's end of input
+(:class:`CommandReader`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from typing import Any, Literal
@@ -36,6 +39,25 @@ class ExceptionHook:
     async def handle_exception(self, error: Exception) -> str:
         log.error("SMTP command failed unexpectedly", exc_info=error)
         return str(R451_LOCAL_ERROR)
+
+
+class CommandReader(asyncio.StreamReader):
+    """The session's stream reader: the end of the client's input (it shut down its sending
+    side) ends the command loop once the commands received before it are answered, as a
+    reset connection does, instead of aiosmtpd's endless ``500`` replies to a read past the
+    end; a command line cut off by the end is dropped (never executed)."""
+
+    async def readuntil(self, separator: Any = b"\n") -> bytes:  # typeshed's: private
+        """One line, as :meth:`asyncio.StreamReader.readuntil`.
+
+        Raises:
+            ConnectionResetError: the input ended before a complete line.
+            LimitOverrunError: the line is longer than the reader's limit.
+        """
+        try:
+            return await super().readuntil(separator)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionResetError("the client ended its input") from e
 
 
 def client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
