@@ -8,6 +8,7 @@
     ├── InvalidName                 an id / domain / key would break a subject or key
     ├── StoreError                  the storage layer failed
     │   ├── StoreUnavailable        NATS unreachable, timed out, or refused the request
+    │   │   └── StoreFull           ... because its storage is full (limits or disk)
     │   ├── EntryTooLarge           an entry's stored form exceeds what the store takes
     │   ├── EntryNotFound           no entry under that queue id
     │   │   └── EntryDeleted        ... and the store knows it was deleted lately
@@ -65,6 +66,12 @@ class StoreError(JsqueueError):
 
 class StoreUnavailable(StoreError):
     """NATS could not be reached, timed out, or refused the request (e.g. bucket full)."""
+
+
+class StoreFull(StoreUnavailable):
+    """NATS refused a write because its storage is full: the server's or account's
+    JetStream limits (``max_file_store``, ``max_memory_store``), its disk, or a stream's own
+    limits. Temporary, as any StoreUnavailable: space comes back as mail is delivered."""
 
 
 class EntryTooLarge(StoreError):

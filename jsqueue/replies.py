@@ -155,6 +155,7 @@ R451_LOCAL_ERROR = _r(451, "4.3.0", "Requested action aborted: local error in pr
 R421_SHUTTING_DOWN = _r(421, "4.3.2", "Service shutting down, try again later")
 R421_TOO_MANY_SESSIONS = _r(421, "4.7.0", "Too many connections, try again later")
 R452_TOO_MANY_RECIPIENTS = _r(452, "4.5.3", "Too many recipients")
+R452_STORAGE_FULL = _r(452, "4.3.1", "Insufficient system storage, try again later")
 R501_BAD_REVERSE_PATH = _r(501, "5.1.7", "Bad sender address syntax")
 R501_BAD_FORWARD_PATH = _r(501, "5.1.3", "Bad recipient address syntax")
 R501_BAD_PARAMETER = _r(501, "5.5.4", "Invalid command arguments")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from email.message import EmailMessage
+from pathlib import Path
 
 import aiosmtplib
 
@@ -158,3 +159,47 @@ async def test_resent_message_is_stored_once_on_jetstream(js_stores: Stores) -> 
     assert ids[0] == ids[1]
     assert len(await js_stores.entries.page(limit=10)) == 2
     assert await js_stores.scheduler.backlog() == 2
+
+
+async def test_jetstream_storage_full_is_452_4_3_1_and_nothing_acknowledged_is_lost(
+    tmp_path: Path, names: Names
+) -> None:
+    """A nats-server whose JetStream storage is full (``max_file_store`` reached) refuses the
+    message that does not fit: the client gets ``452 4.3.1`` (RFC 5321 §4.2.3
+    "insufficient system storage", RFC 3463 X.3.1 "mail system full"; Postfix says the
+    same) rather than a generic local error, never a 250; the session stays usable; the
+    refused message leaves no entry; every message answered 250 before is stored whole."""
+    conf = tmp_path / "small.conf"
+    conf.write_text(
+        "listen: 127.0.0.1:4222\nmax_payload: 1MB\n"
+        "jetstream {\n  sync_interval: always\n  max_file_store: 6MB\n}\n"
+    )
+    body = b"Subject: fill\r\n\r\n" + (b"y" * 70 + b"\r\n") * 4000  # ~290 KB
+    async with EmbeddedNats(tmp_path / "nats", port=0, config_file=conf) as srv:
+        stores = await open_jetstream(
+            make_settings(request_timeout_s=2.0, events_max_bytes=1 << 20), [srv.url], names=names
+        )
+        try:
+            async with running(
+                frontend_settings(store_timeout_s=5.0, dedupe_window_s=0), stores
+            ) as server:
+                w = await Wire.connect(server.port)
+                await w.expect("EHLO client.example.test", 250)
+                queued: list[str] = []
+                for i in range(40):
+                    r = await w.transaction(
+                        "a@example.test", [f"b{i}@dest.example.test"], dot_stuff(body), ehlo=False
+                    )
+                    if r.code != 250:
+                        break
+                    queued.append(queued_id(r))
+                assert queued, "nothing fitted at all"
+                assert (r.code, r.enhanced) == (452, "4.3.1"), r
+                await w.expect("NOOP", 250)
+                await w.expect("QUIT", 221)
+            entries = await stores.entries.page(limit=100)
+            assert sorted(v.entry.id for v in entries) == sorted(queued)
+            for qid in queued:
+                assert split_body(await read_body(stores, qid))[1] == body
+        finally:
+            await stores.close()

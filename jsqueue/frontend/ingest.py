@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from jsqueue.config import SmtpSettings
 from jsqueue.envelope import Entry, Recipient, WorkItem, utcnow
-from jsqueue.errors import EntryDeleted, EntryNotFound, JsqueueError, reason
+from jsqueue.errors import EntryDeleted, EntryNotFound, JsqueueError, StoreFull, reason
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
-from jsqueue.replies import R451_LOCAL_ERROR, Reply
+from jsqueue.replies import R451_LOCAL_ERROR, R452_STORAGE_FULL, Reply
 from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores
 from jsqueue.store.layout import one_chunk
 
@@ -85,15 +85,16 @@ async def _stopped(fut: asyncio.Future[Any] | None) -> None:
 
 
 class NotQueued(Exception):
-    """The message was not stored; ``reply`` (451 4.3.0, RFC 5321 §4.2.2) is what the client
-    gets instead of a 250 (DESIGN.md §2.1); ``reason`` says which step failed (for logs
-    and the HTTP API's 503, not for SMTP clients)."""
+    """The message was not stored; ``reply`` is what the client gets instead of a 250
+    (DESIGN.md §2.1): 452 4.3.1 when the store is full (RFC 5321 §4.2.3 "insufficient
+    system storage", RFC 3463 X.3.1), else 451 4.3.0; ``reason`` says which step failed
+    (for logs and the HTTP API's 503, not for SMTP clients)."""
 
-    def __init__(self, queue_id: str, reason: str) -> None:
+    def __init__(self, queue_id: str, reason: str, *, full: bool = False) -> None:
         super().__init__(f"{queue_id}: not queued: {reason}")
         self.queue_id = queue_id
         self.reason = reason
-        self.reply: Reply = R451_LOCAL_ERROR
+        self.reply: Reply = R452_STORAGE_FULL if full else R451_LOCAL_ERROR
 
 
 @dataclass(frozen=True)
@@ -383,8 +384,9 @@ class Ingest:
 
         Raises:
             NotQueued: some store failed or timed out (or an unexpected error); its
-                ``reply`` is ``451 4.3.0`` and nothing of the message remains stored
-                (cleanup failures are logged and left for the orphan sweep).
+                ``reply`` is ``452 4.3.1`` when a store was full, else ``451 4.3.0``, and
+                nothing of the message remains stored (cleanup failures are logged and left
+                for the orphan sweep).
         """
         queue_id = upload.queue_id
         key = self.key_for(mail)
@@ -442,7 +444,8 @@ class Ingest:
             log.warning("%s: not queued (%s failed: %r); answering 451", queue_id, stage, e)
             await _stopped(body)
             await self._cleanup(queue_id, upload, stage)
-            raise NotQueued(queue_id, f"{stage} failed: {e!r}") from e
+            full = isinstance(e, StoreFull)
+            raise NotQueued(queue_id, f"{stage} failed: {e!r}", full=full) from e
         except Exception as e:  # a bug: still never 250 for what is not stored; say so loudly
             log.exception("%s: not queued (%s failed unexpectedly); answering 451", queue_id, stage)
             await _stopped(body)

@@ -20,7 +20,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from jsqueue.errors import StoreUnavailable, reason
+from jsqueue.errors import StoreFull, StoreUnavailable, reason
 from jsqueue.names import js_api_subject
 
 log = logging.getLogger("jsqueue.store.jetstream")
@@ -53,10 +53,16 @@ class ErrCode(IntEnum):
     CONSUMER_NAME_EXISTS = 10013
     #: ``JSInsufficientResourcesErr``: insufficient resources.
     INSUFFICIENT_RESOURCES = 10023
+    #: ``JSMemoryResourcesExceededErr``: insufficient memory resources available.
+    MEMORY_RESOURCES_EXCEEDED = 10028
+    #: ``JSStorageResourcesExceededErr``: insufficient storage resources available.
+    STORAGE_RESOURCES_EXCEEDED = 10047
     #: ``JSNoMessageFoundErr``: no message found (nats-py raises NotFoundError for it).
     NO_MESSAGE_FOUND = 10037
     #: ``JSStreamNameExistErr``: stream name already in use (with another config).
     STREAM_NAME_IN_USE = 10058
+    #: ``JSStreamStoreFailedF``: the stream could not store the message (its text says why).
+    STREAM_STORE_FAILED = 10077
     #: ``JSStreamWrongLastSequenceErrF``: wrong last sequence (a compare-and-set lost).
     WRONG_LAST_SEQUENCE = 10071
     #: ``JSConsumerAlreadyExists``: CREATE of an existing consumer with another config.
@@ -71,6 +77,17 @@ WRONG_LAST_SEQ = frozenset({ErrCode.WRONG_LAST_SEQUENCE, ErrCode.WRONG_LAST_SEQU
 CONSUMER_EXISTS = frozenset({ErrCode.CONSUMER_NAME_EXISTS, ErrCode.CONSUMER_ALREADY_EXISTS})
 #: Transient in a cluster whose peers are still coming online.
 NO_PLACEMENT = frozenset({ErrCode.CLUSTER_NO_PEERS, ErrCode.INSUFFICIENT_RESOURCES})
+
+#: The server is out of JetStream storage (its limits, or its disk).
+STORAGE_FULL = frozenset(
+    {
+        ErrCode.INSUFFICIENT_RESOURCES,
+        ErrCode.MEMORY_RESOURCES_EXCEEDED,
+        ErrCode.STORAGE_RESOURCES_EXCEEDED,
+    }
+)
+#: What a stream at its own limits (``discard: new``) says when it stores no more.
+_STREAM_LIMITS = ("maximum bytes exceeded", "maximum messages exceeded")
 
 #: Failures worth retrying with the same message id.
 RETRYABLE = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, asyncio.TimeoutError)
@@ -101,9 +118,27 @@ def describe(e: BaseException) -> str:
     return reason(e)
 
 
+def is_storage_full(e: BaseException) -> bool:
+    """Whether ``e`` is a write refused for lack of storage (:data:`STORAGE_FULL`, or a
+    stream at its byte or message limit)."""
+    if isinstance(e, nats.js.errors.APIError):
+        err_code, text = e.err_code, e.description or ""
+    elif isinstance(e, ApiError):
+        err_code, text = e.err_code, e.description
+    else:
+        return False
+    if err_code in STORAGE_FULL:
+        return True
+    return err_code == ErrCode.STREAM_STORE_FAILED and any(
+        limit in text.lower() for limit in _STREAM_LIMITS
+    )
+
+
 def unavailable(what: str, e: BaseException) -> StoreUnavailable:
-    """The StoreUnavailable for a failure of ``what`` (to raise ``from e``)."""
-    return StoreUnavailable(f"{what}: {describe(e)}")
+    """The StoreUnavailable for a failure of ``what`` (to raise ``from e``): a
+    :class:`StoreFull` when the server is out of storage."""
+    kind = StoreFull if is_storage_full(e) else StoreUnavailable
+    return kind(f"{what}: {describe(e)}")
 
 
 @contextlib.contextmanager
