@@ -181,6 +181,16 @@ def renewed(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float
     return new
 
 
+def lease_left_s(entry: Entry, domain: str, owner: str, now: datetime) -> float:
+    """Seconds left of ``owner``'s lease on ``domain`` at ``now``; 0 when it ran out or is
+    not ``owner``'s. Until then no other worker claims the destination (DESIGN.md §2.3), so
+    an outcome may still be recorded without the message being sent twice. Pure."""
+    lease = entry.leases.get(domain)
+    if lease is None or lease.owner != owner:
+        return 0.0
+    return max(0.0, (lease.until - now).total_seconds())
+
+
 def release(entry: Entry, domain: str) -> Entry:
     """Give the lease on ``domain`` back without an outcome (drain): recipients become due.
 

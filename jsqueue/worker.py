@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from jsqueue import state
@@ -26,18 +27,8 @@ from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
 from jsqueue.destinations import Destinations, Gate, put_back
 from jsqueue.envelope import Entry, utcnow
-from jsqueue.errors import (
-    EntryNotFound,
-    EntryTooLarge,
-    RevisionConflict,
-    StoreUnavailable,
-)
-from jsqueue.events import (
-    NULL_OBSERVER,
-    EventKind,
-    Observer,
-    entry_event,
-)
+from jsqueue.errors import EntryNotFound, EntryTooLarge, RevisionConflict, StoreUnavailable
+from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
@@ -452,16 +443,26 @@ class Worker:
         self, due: Due, held: _Held, delivery: Attempt, started: datetime, turn: cas.Turn
     ) -> None:
         """Record the attempt, log it, remove or finish the entry, settle the item (in the
-        entry's turn; the first record try is on the newest version this process knows)."""
+        entry's turn; the first record try is on the newest version this process knows).
+
+        Raises:
+            StoreUnavailable: still, at 90 % of the lease (the item comes back later).
+        """
         item = due.item
         outcome: _Outcome | None = None
         for step, octets in enumerate(REPLY_OCTET_STEPS):
+            start = turn.latest(held.version)
+            # Lost to an outage, the record would mean a second copy (RFC 5321 §6.1).
+            left_s = state.lease_left_s(start.entry, item.domain, self.owner, self.clock())
+            record = partial(self._record, start, item.domain, delivery, octets, turn)
             try:
-                start = turn.latest(held.version)
-                outcome = await self._record(start, item.domain, delivery, octets, turn)
+                outcome = await cas.through_outage(record, left_s * 0.9)
             except EntryTooLarge as e:
                 refused = e
                 continue
+            except StoreUnavailable:  # what the attempt did is still logged
+                self._log_unrecorded(held.version.entry, item.domain, delivery, started, False)
+                raise
             if step and outcome is not None:
                 self._cut_further(outcome.version.entry, item.domain, octets, refused)
             break
@@ -487,8 +488,7 @@ class Worker:
             log.info("queue %s: done, removed", v.entry.id)
         else:
             if v.entry.inline_body is not None and recorded.retry_delay_s is not None:
-                # Deferred: queued mail keeps metadata only in its entry (after the
-                # record, which is not delayed by it).
+                # Deferred: queued mail keeps only metadata in its entry (after the record).
                 v = await layout.move_body_out(
                     self.stores, v, tries=RECORD_TRIES, pause=self._pause
                 )
@@ -502,7 +502,7 @@ class Worker:
         self, entry: Entry, domain: str, delivery: Attempt, started: datetime, events: bool
     ) -> None:
         """Log lines (and with ``events`` events) of an attempt not recorded in ``entry``
-        (deleted meanwhile, or too large to store)."""
+        (deleted meanwhile, too large to store, the store unavailable until the lease end)."""
         now, o = self.clock(), self.observer
         policy, hop_dsn = self._policy(entry), delivery.next_hop_dsn
         _, done = state.record(

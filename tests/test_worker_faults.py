@@ -4,6 +4,7 @@ two workers racing, graceful drain, and a 25 MB message. Real nats-server, DNS a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_worker import SENDER_ZONE, dsn_parts, gone
+from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
 
+from jsqueue.config import NatsSettings
 from jsqueue.delivery.base import BodySource
 from jsqueue.envelope import Entry, Recipient, RecipientState
 from jsqueue.nats_server import EmbeddedNats
@@ -23,7 +25,12 @@ from jsqueue.store.jetstream.work import JetStreamDue
 from jsqueue.worker import Worker
 from support.cases import case_message, case_text
 from support.mx import SILENT, ScriptedMx, SmtpdMx
+from support.nats import make_settings
 from support.queue import Harness, eventually
+
+#: How long the nats-server stays down in the outage tests, seconds: past the stores'
+#: own tries (three of 0.5 s).
+OUTAGE_S = 4.0
 
 
 class Crash(BaseException):
@@ -357,3 +364,47 @@ async def test_25mb_message_streamed(queue_harness: Harness) -> None:
     assert peak < 2 * len(body), f"peak {peak} octets for a {len(body)}-octet message"
     # the whole message arrived, plus only our Received: trace header
     assert 0 < mx.delivered[0].size - len(body) < 512
+
+
+class TestRecordThroughAnOutage:
+    """The stores of this class give up on a request after 0.5 s (three tries: 1.5 s)."""
+
+    @pytest.fixture
+    def nats_settings(self) -> NatsSettings:
+        return make_settings(request_timeout_s=0.5)
+
+    async def test_a_delivery_is_recorded_after_an_outage_at_the_remote_250(
+        self, queue_harness: Harness, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """RFC 5321 §6.1: the nats-server dies while the MX holds the final reply; the MX
+        answers 250 and the outage outlasts the store's own tries. The worker keeps
+        trying to record the delivery while its lease keeps other workers off: once NATS
+        is back the entry is removed, the delivery is logged, and the MX has one copy,
+        also after the item comes back. (It used to give up at the store's tries,
+        leaving the delivery unlogged, or unrecorded and sent again after the lease.)"""
+        caplog.set_level(logging.INFO, logger="jsqueue.worker")
+        h = queue_harness
+        h.configure(worker={"lease_s": 60.0})
+        domain = "outage.example.test"
+        h.dns.add(one_mx(domain, "127.0.2.26"))
+        rcpt = f"u@{domain}"
+        hold = asyncio.Event()
+        async with ScriptedMx("127.0.2.26", h.mx_port, hold=hold) as mx:
+            qid = await h.submit(b"Subject: outage\r\n\r\nbody\r\n", [rcpt])
+            async with h.running():
+                await eventually(lambda: mx.held == 1, what="the MX holding the final reply")
+                nats_server.kill()
+                hold.set()
+                await asyncio.sleep(OUTAGE_S)  # the outage itself: longer than 3 tries
+                await nats_server.start()
+                await eventually(lambda: gone(h, qid), 30, what="the delivery recorded")
+                await eventually(
+                    lambda: f"to=<{rcpt}> domain={domain} outcome=delivered" in caplog.text,
+                    what="the delivery logged",
+                )
+
+                async def settled() -> bool:
+                    return await h.stores.scheduler.backlog() == 0
+
+                await eventually(settled, 20, what="the item settled")
+        assert len(mx.delivered) == 1

@@ -18,13 +18,16 @@ import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from jsqueue.envelope import Entry
-from jsqueue.errors import EntryDeleted, EntryNotFound, RevisionConflict
+from jsqueue.errors import EntryDeleted, EntryNotFound, RevisionConflict, StoreUnavailable
 from jsqueue.store.base import EntryStore, Versioned
 
 #: Compare-and-set tries of one change before it gives up (RevisionConflict).
 CAS_TRIES = 5
+
+_T = TypeVar("_T")
 
 Pause = Callable[[int], float]
 """Seconds to wait before try ``n`` (1 = the first re-read, 2, ...)."""
@@ -56,6 +59,31 @@ def growing_pause(rng: random.Random, max_s: float = 0.1, step_s: float = 0.005)
         return rng.uniform(0, min(max_s, step_s * attempt))
 
     return pause
+
+
+async def through_outage(
+    write: Callable[[], Awaitable[_T]], within_s: float, *, pause_max_s: float = 5.0
+) -> _T:
+    """``write()``, tried again while the store is unavailable (a NATS restart, a lost
+    leader) for up to ``within_s`` seconds, after pauses that double from 0.25 s up to
+    ``pause_max_s``. For the write that must not be lost to an outage: the record of what
+    an SMTP attempt did, after the remote's 250 (RFC 5321 §6.1: were it lost, the message
+    would be sent again), bounded by the lease that keeps other workers off meanwhile.
+
+    Raises:
+        StoreUnavailable: still unavailable when ``within_s`` ran out (the last failure).
+        Exception: whatever else ``write`` raises, at once.
+    """
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + within_s, 0.25
+    while True:
+        try:
+            return await write()
+        except StoreUnavailable:
+            if loop.time() + pause >= deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, pause_max_s)
 
 
 @dataclass(frozen=True, slots=True)
