@@ -212,8 +212,11 @@ def release(entry: Entry, domain: str) -> Entry:
 def site_deferred(entry: Entry, domain: str, reply: Reply, until: datetime) -> Entry | None:
     """``domain``'s open recipients deferred without a connection because the destination
     site is a dead site (RFC 5321 §4.5.4.1): ``reply`` (``451 4.4.1 … site down until …``)
-    becomes their last reply and ``until`` their next attempt; their attempt count stays
-    (no attempt was made). Recipients under a lease are not touched. Pure.
+    becomes their last reply, with the failure they last had kept in its text ("; last
+    failure: 451 4.4.1 … connection refused", as Postfix's "delivery temporarily suspended:
+    <cause>"), so that a delay or expiry DSN still names the cause; ``until`` becomes their
+    next attempt; their attempt count stays (no attempt was made). Recipients under a
+    lease are not touched. Pure.
 
     Returns:
         the new entry (written by compare-and-set), None when nothing would change.
@@ -223,11 +226,29 @@ def site_deferred(entry: Entry, domain: str, reply: Reply, until: datetime) -> E
     new = _copy(entry)
     changed = False
     for r in new.open_recipients(domain):
-        if r.last_reply != reply or r.next_attempt_at != until:
-            r.last_reply, r.next_attempt_at = reply, until
+        suspended = _with_cause(reply, r.last_reply)
+        if r.last_reply != suspended or r.next_attempt_at != until:
+            r.last_reply, r.next_attempt_at = suspended, until
             r.state = RecipientState.DEFERRED
             changed = True
     return new if changed else None
+
+
+_CAUSE = "; last failure: "
+
+
+def _with_cause(reply: Reply, previous: Reply | None) -> Reply:
+    """The site-down ``reply`` with the real failure ``previous`` stood for: ``previous``
+    itself, or the cause an earlier site-down reply kept (never nested)."""
+    if previous is None or previous.is_success:
+        return reply
+    if previous.text.startswith(replies.R451_SITE_DOWN.text) and previous.remote_host is None:
+        cause = previous.text.partition(_CAUSE)[2]
+    else:
+        cause = str(previous)
+    if not cause:
+        return reply
+    return reply.model_copy(update={"text": reply.text + _CAUSE + cause}).bounded()
 
 
 def hold(entry: Entry, domain: str, owner: str, reason: str | None) -> Entry:

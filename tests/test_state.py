@@ -28,6 +28,7 @@ from jsqueue.state import (
     renewed,
     requeued,
     settled,
+    site_deferred,
 )
 
 T0 = datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
@@ -412,3 +413,33 @@ def test_flush_breaks_dead_and_forced_leases_and_requeue_keeps_attempts() -> Non
     r = again.recipients[0]
     assert r.attempts == 2 and r.state is RecipientState.DEFERRED and r.next_attempt_at == at
     assert again.generation == claimed.generation + 1
+
+
+def test_a_dead_site_deferral_keeps_the_cause_of_the_last_failure() -> None:
+    """RFC 5321 §4.5.4.1: while a site is down its mail is deferred without a connection;
+    the recipient's last reply then says so and still names the failure it last had (as
+    Postfix's "delivery temporarily suspended: <cause>"), so a DSN at expiry shows the
+    cause, and put-backs one after another keep that cause once, never nested."""
+    e = make_entry("a@dead.example.test", "b@dead.example.test")
+    refused = Reply(code=451, enhanced="4.4.1", text="connection refused", remote_host=None)
+    e.recipients[0].last_reply = reply(421, "4.3.2", "too busy")
+    e.recipients[1].last_reply = refused
+    down = replies.R451_SITE_DOWN.model_copy(
+        update={"text": f"{replies.R451_SITE_DOWN.text}: site dead.example.test down until X"}
+    )
+    first = site_deferred(e, "dead.example.test", down, T0 + timedelta(seconds=300))
+    assert first is not None
+    a, b = (r.last_reply for r in first.recipients)
+    assert a is not None and b is not None
+    assert a.text == f"{down.text}; last failure: 421 4.3.2 too busy"
+    assert b.text == f"{down.text}; last failure: 451 4.4.1 connection refused"
+    assert (a.code, a.enhanced) == (451, "4.4.1")
+    later = down.model_copy(update={"text": down.text.replace("until X", "until Y")})
+    second = site_deferred(first, "dead.example.test", later, T0 + timedelta(seconds=600))
+    assert second is not None
+    again = second.recipients[0].last_reply
+    assert again is not None
+    assert again.text == f"{later.text}; last failure: 421 4.3.2 too busy"
+    fresh = make_entry("c@dead.example.test")  # never tried: nothing to keep
+    third = site_deferred(fresh, "dead.example.test", down, T0)
+    assert third is not None and third.recipients[0].last_reply == down
