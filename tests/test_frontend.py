@@ -177,6 +177,24 @@ async def test_ehlo_capabilities_and_enhanced_codes(mem: Stores) -> None:
         assert await w.closed() == b""
 
 
+async def test_too_many_unknown_commands_end_the_session_with_421(mem: Stores) -> None:
+    """A client that sends command after unknown command is cut off after a few; the reply
+    that ends the session is 421 (RFC 5321 §3.8: the server closing the channel says so;
+    aiosmtpd sent 502, which reads as a refusal of that one command)."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        codes = []
+        for i in range(10):
+            r = await w.cmd(f"XBOGUS{i}")
+            codes.append(r.code)
+            if r.code != 500:
+                break
+        assert codes[-1] == 421 and set(codes[:-1]) == {500}, codes
+        assert r.enhanced == "4.7.0"
+        assert await w.closed() == b""
+
+
 async def test_helo_session_uses_plain_smtp(mem: Stores) -> None:
     """RFC 5321 §4.1.1.1: after HELO no extension parameters; Received: says ``with SMTP``."""
     async with running(frontend_settings(), mem) as server:

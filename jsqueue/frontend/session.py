@@ -40,6 +40,7 @@ from jsqueue.frontend.syntax import (
 )
 from jsqueue.frontend.transaction import CommandReader, ExceptionHook, Transaction, client_ip
 from jsqueue.frontend.wire import (
+    as_closing,
     commands_in,
     is_closing,
     printable,
@@ -232,7 +233,7 @@ class InboundSession(SMTP):
             return
         # RFC 2034 §4: the greeting (and the STARTTLS 220) carry no enhanced code.
         if not status.startswith("220"):
-            status = with_enhanced_code(status)
+            status = with_enhanced_code(as_closing(status))
         await super().push(printable(status))
 
     def _log_rejection(self, status: str | bytes) -> None:

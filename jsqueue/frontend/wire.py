@@ -1,8 +1,9 @@
 """Reply lines as the front end puts them on the wire: the table's replies rendered
 (:func:`reply_line`), enhanced status codes added where aiosmtpd's own replies lack them
 (:func:`with_enhanced_code`, RFC 2034 §4), lines cut to what RFC 5321 allows
-(:func:`printable`), the QUIT reply recognised (:func:`is_closing`), and the commands a
-client has already sent counted (:func:`commands_in`). Pure, no I/O.
+(:func:`printable`), aiosmtpd's goodbye as a 421 (:func:`as_closing`), the QUIT reply
+recognised (:func:`is_closing`), and the commands a client has already sent counted
+(:func:`commands_in`). Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ def with_enhanced_code(status: str) -> str:
         return status
     sep = status[3:4] or " "
     return f"{code}{sep}{generic_enhanced(int(code))} {status[4:]}".rstrip()
+
+
+#: aiosmtpd's replies that come with the end of the session, as RFC 5321 §3.8 has them: a
+#: server that closes the transmission channel says so with 421 (aiosmtpd says 502).
+_CLOSING = {
+    "502 5.5.1 Too many unrecognized commands, goodbye.": (
+        "421 4.7.0 Too many unrecognized commands, closing connection"
+    ),
+}
+
+
+def as_closing(status: str) -> str:
+    """``status``, or the ``421`` line that replaces an aiosmtpd reply sent just before it
+    closes the session (RFC 5321 §3.8: the client then knows the session is over and
+    tries again later, where a 5yz reads as a refusal of the command)."""
+    return _CLOSING.get(status, status)
 
 
 def reply_line(reply: Reply, detail: str | None = None) -> str:
