@@ -82,6 +82,12 @@ async def test_inject_queues_durably_and_t_takes_recipients_without_bcc(
     code, out, err = await run("inject", "-v", "-i", "bob@example.net", env=env, stdin=dotted)
     assert code == 0, err
     fourth = out.strip()
+    # name-addr and angle-addr forms on the command line, as sendmail takes them
+    code, out, err = await run(
+        "inject", "-v", "Bob <bob@example.net>", "<carol@example.net>", env=env, stdin=MESSAGE
+    )
+    assert code == 0, err
+    fifth = out.strip()
     stores = await open_jetstream(make_settings(prefix=names.prefix), [nats_server.url])
     try:
         one = (await stores.entries.get(first)).entry
@@ -105,6 +111,8 @@ async def test_inject_queues_durably_and_t_takes_recipients_without_bcc(
         # sendmail: a lone "." ends the message, unless -i
         assert (await read_body(stores, third)).endswith(b"\r\nline\r\n")
         assert (await read_body(stores, fourth)).endswith(b"\r\nline\r\n.\r\nafter the dot\r\n")
+        five = (await stores.entries.get(fifth)).entry
+        assert [r.address for r in five.recipients] == ["bob@example.net", "carol@example.net"]
     finally:
         await stores.close()
 
@@ -115,6 +123,10 @@ async def test_inject_exit_statuses(nats_server: EmbeddedNats, names: Names) -> 
     assert (await run("inject", "--no-such-option", "a@b.example", env=env))[0] == 64
     assert (await run("inject", "-f", "not a mailbox", "a@b.example", env=env))[0] == 64
     assert (await run("inject", "not-an-address", env=env, stdin=MESSAGE))[0] == 67
+    # RFC 3461 §4.1: NEVER stands alone; a bad -N is a usage error, not a bad recipient
+    for notify in ("never,success", "sometimes", ","):
+        code, _, err = await run("inject", "-N", notify, "a@b.example", env=env, stdin=MESSAGE)
+        assert code == 64 and "-N" in err, (notify, err)
     # a bad To: with -t names the address and what is wrong, not a pydantic header line
     code, _, err = await run("inject", "-t", env=env, stdin=b"To: bad <<x>\nSubject: x\n\nx\n")
     assert code == 67, err

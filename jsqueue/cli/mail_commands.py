@@ -226,7 +226,7 @@ def _inject_main(argv: list[str]) -> int:
     except RequestRejected as e:
         typer.echo(f"jsqueue inject: {e}", err=True)
         return EX_DATAERR
-    addresses = list(args.recipients)
+    addresses = [_bare(a) for a in args.recipients]
     if args.t:
         try:
             found, data = header_recipients(data)
@@ -242,8 +242,11 @@ def _inject_main(argv: list[str]) -> int:
         try:
             notify = [Notify(w.strip().upper()) for w in args.notify.split(",")]
         except ValueError:
+            notify = []
+        if not notify or (Notify.NEVER in notify and len(notify) > 1):  # RFC 3461 §4.1
             typer.echo(
-                f"jsqueue inject: -N {args.notify}: never, success, failure, delay", err=True
+                f"jsqueue inject: -N {args.notify}: never, or any of success, failure, delay",
+                err=True,
             )
             return EX_USAGE
     specs: list[RecipientSpec] = []
@@ -272,6 +275,17 @@ def _inject_main(argv: list[str]) -> int:
     ret = args.ret.upper() if args.ret else None
     tx = Transaction(env.reverse_path, env.recipients, data, env.smtputf8, envid, ret)
     return uvloop.run(_store(settings, tx, user, verbose=args.v))
+
+
+def _bare(argument: str) -> str:
+    """A command-line recipient as its address: ``Name <a@b.test>`` and ``<a@b.test>`` as
+    ``a@b.test`` (RFC 5322 §3.4 name-addr, as sendmail takes them); anything else as it is
+    (a quoted local part with ``<`` in it stays whole)."""
+    if argument.rstrip().endswith(">") and "<" in argument:
+        _, address = email.utils.parseaddr(argument)
+        if address:
+            return address
+    return argument
 
 
 def _user() -> str:
