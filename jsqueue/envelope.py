@@ -12,6 +12,7 @@ kept inline (:attr:`Entry.inline_body`).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -284,12 +285,25 @@ def routing_domain(address: str) -> str:
         raise InvalidName(f"address {address!r} has no domain")
     domain = domain.rstrip(".")
     if domain.startswith("[") and domain.endswith("]"):
-        return check_domain(domain)
+        return check_domain(_literal(domain))
     try:
         ascii_domain = domain if domain.isascii() else idna.encode(domain, uts46=True).decode()
     except idna.IDNAError as e:
         raise InvalidName(f"domain {domain!r} cannot be converted to an A-label") from e
     return check_domain(ascii_domain)
+
+
+def _literal(literal: str) -> str:
+    """An IPv6 address literal in one spelling (RFC 5321 §4.1.3: ``IPv6:`` in any case,
+    the address in any RFC 4291 form): ``[IPv6:`` and the RFC 5952 form, so that one host
+    is one destination; anything else as it is."""
+    inner = literal[1:-1]
+    if inner[:5].lower() != "ipv6:":
+        return literal
+    try:
+        return f"[IPv6:{ipaddress.IPv6Address(inner[5:]).compressed}]"
+    except ValueError:
+        return literal
 
 
 @dataclass(frozen=True)

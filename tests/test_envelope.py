@@ -211,6 +211,9 @@ def test_domains_in_first_seen_order() -> None:
         ('"a@b"@example.org', "example.org"),
         ("postmaster@[192.0.2.1]", "[192.0.2.1]"),
         ("u@[IPv6:2001:db8::1]", "[ipv6:2001:db8::1]"),
+        # one host, one destination: RFC 4291 spellings of an address as RFC 5952's
+        ("u@[IPv6:0:0:0:0:0:0:0:1]", "[ipv6:::1]"),
+        ("u@[ipv6:2001:DB8:0:0::0001]", "[ipv6:2001:db8::1]"),
     ],
 )
 def test_routing_domain(address: str, domain: str) -> None:
