@@ -301,7 +301,9 @@ class JetStreamPublisher:
     never queues behind (or in front of) work-item acks.
 
     Attributes:
-        published: events the stream confirmed (its ack of the batch's last event).
+        published: events of batches whose last event the stream acknowledged (an event
+            sent without a reply that the stream refused, e.g. during a leader election or
+            over a limit, is counted here all the same: only the order is confirmed).
         dropped: events discarded because the buffer was full or the publisher closed.
         failed: events of batches whose ack failed (timeout, no stream, connection
             closed); some of them may be stored.
@@ -423,7 +425,9 @@ class JetStreamPublisher:
         """Every event of ``batch`` but the last without a reply subject (nats-server
         stores it and answers nothing), then the last as a request for the stream's ack.
         nats-server handles one connection's messages, and a stream its messages, in order,
-        so that ack confirms the batch: one request-reply per batch instead of per event.
+        so that ack says the server has handled the batch (not that it stored every event:
+        a refusal of one sent without a reply is not seen, events being best effort): one
+        request-reply per batch instead of per event.
 
         Raises:
             Exception: any failure of the ack's request (timeout, no stream, closed).

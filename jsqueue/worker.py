@@ -446,7 +446,7 @@ class Worker:
         entry's turn; the first record try is on the newest version this process knows).
 
         Raises:
-            StoreUnavailable: still, at 90 % of the lease (the item comes back later).
+            StoreUnavailable: still, after the retries of :func:`cas.through_outage`.
         """
         item = due.item
         outcome: _Outcome | None = None
@@ -455,8 +455,9 @@ class Worker:
             # Lost to an outage, the record would mean a second copy (RFC 5321 §6.1).
             left_s = state.lease_left_s(start.entry, item.domain, self.owner, self.clock())
             record = partial(self._record, start, item.domain, delivery, octets, turn)
-            try:
-                outcome = await cas.through_outage(record, left_s * 0.9)
+            try:  # while neither the lease nor this worker's presence can run out
+                grace_s = self.settings.presence_grace_s / 2
+                outcome = await cas.through_outage(record, min(0.9 * left_s, grace_s))
             except EntryTooLarge as e:
                 refused = e
                 continue
@@ -501,8 +502,7 @@ class Worker:
     def _log_unrecorded(
         self, entry: Entry, domain: str, delivery: Attempt, started: datetime, events: bool
     ) -> None:
-        """Log lines (and with ``events`` events) of an attempt not recorded in ``entry``
-        (deleted meanwhile, too large to store, the store unavailable until the lease end)."""
+        """Log lines (and events with ``events``) of an attempt ``entry`` does not record."""
         now, o = self.clock(), self.observer
         policy, hop_dsn = self._policy(entry), delivery.next_hop_dsn
         _, done = state.record(

@@ -13,11 +13,14 @@ from email.message import EmailMessage
 from pathlib import Path
 
 import aiosmtplib
+import nats.js.errors
+import pytest
 
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
+from jsqueue.store.jetstream.api import is_storage_full
 from support.frontend import (
     Wire,
     dot_stuff,
@@ -159,6 +162,23 @@ async def test_resent_message_is_stored_once_on_jetstream(js_stores: Stores) -> 
     assert ids[0] == ids[1]
     assert len(await js_stores.entries.page(limit=10)) == 2
     assert await js_stores.scheduler.backlog() == 2
+
+
+@pytest.mark.parametrize(
+    ("err_code", "text", "full"),
+    [
+        (10002, "resource limits exceeded for account", True),  # account max_file/max_mem
+        (10047, "insufficient storage resources available", True),
+        (10077, "maximum bytes exceeded", True),  # a stream at its own limit
+        (10077, "some other store failure", False),
+        (10071, "wrong last sequence: 5", False),
+    ],
+)
+def test_which_refusals_are_storage_full(err_code: int, text: str, full: bool) -> None:
+    """The JetStream error codes (nats-server's errors.json) answered 452 4.3.1 at ingest
+    (RFC 3463 X.3.1): the server's, the account's and a stream's storage limits."""
+    error = nats.js.errors.APIError(code=400, err_code=err_code, description=text)
+    assert is_storage_full(error) is full
 
 
 async def test_jetstream_storage_full_is_452_4_3_1_and_nothing_acknowledged_is_lost(

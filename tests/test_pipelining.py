@@ -493,14 +493,18 @@ async def test_rcpt_failure_after_an_accepted_recipient_goes_to_the_next_mx(
 
 
 @PATHS
-async def test_421_to_data_goes_to_the_next_mx_on_both_paths(pipelining: bool) -> None:
-    """A 421 to DATA (RFC 5321 §3.8: the server closes the channel): no body went out, so
-    the next MX gets every recipient, pipelined or not (one command at a time used to defer
-    them on the first MX)."""
+@pytest.mark.parametrize("data_reply", ["421 4.3.2 going down", CLOSE, SILENT])
+async def test_a_failed_data_goes_to_the_next_mx_on_both_paths(
+    data_reply: str, pipelining: bool
+) -> None:
+    """A 421 to DATA (RFC 5321 §3.8: the server closes the channel), or no reply to it (the
+    connection closes, the reply times out): no body went out, so the next MX gets every
+    recipient, pipelined or not (one command at a time used to defer them on the first
+    MX)."""
     bad, good = "127.0.2.237", "127.0.2.238"
     port = shared_port([bad, good])
     async with (
-        ScriptedMx(bad, port, data="421 4.3.2 going down") as first,
+        ScriptedMx(bad, port, data=data_reply) as first,
         SmtpdMx(good, port, pipelining=pipelining) as second,
     ):
         result = await deliver(
@@ -510,7 +514,7 @@ async def test_421_to_data_goes_to_the_next_mx_on_both_paths(pipelining: bool) -
             ],
             envelope(A, B),
             body(),
-            settings_for(port, pipelining=pipelining),
+            settings_for(port, pipelining=pipelining, data_init_timeout_s=1.0),
         )
     assert result.delivered == [A, B], result.replies
     assert first.delivered == [] and [t.rcpt_to for t in second.delivered] == [[A, B]]

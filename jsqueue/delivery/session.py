@@ -555,8 +555,8 @@ class OutboundSession:
             start = await self._command(
                 "DATA", s.data_init_timeout_s, b"DATA", intermediate_ok=True
             )
-        except Failed as e:
-            return accepted_get(e.reply)
+        except Failed as e:  # lost, timed out, malformed: no body went out (as 421 below)
+            raise NextMx(e.reply) from e
         if start.code == 421:  # no body went out: the next MX, as in the pipelined group
             raise NextMx(start)
         if start.code != 354:

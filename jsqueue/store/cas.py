@@ -68,7 +68,7 @@ async def through_outage(
     leader) for up to ``within_s`` seconds, after pauses that double from 0.25 s up to
     ``pause_max_s``. For the write that must not be lost to an outage: the record of what
     an SMTP attempt did, after the remote's 250 (RFC 5321 §6.1: were it lost, the message
-    would be sent again), bounded by the lease that keeps other workers off meanwhile.
+    would be sent again), bounded by the time no other worker can take the lease over.
 
     Raises:
         StoreUnavailable: still unavailable when ``within_s`` ran out (the last failure).

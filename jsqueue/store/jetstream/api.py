@@ -47,6 +47,9 @@ class ErrCode(IntEnum):
     """JetStream API error codes (``err_code``) jsqueue acts on; names and numbers as in
     nats-server's ``server/errors.json``."""
 
+    #: ``JSAccountResourcesExceededErr``: resource limits exceeded for account (the PubAck
+    #: of a publish over the account's ``max_file`` or ``max_mem``).
+    ACCOUNT_RESOURCES_EXCEEDED = 10002
     #: ``JSClusterNoPeersErrF``: no suitable peers for placement (R3 before peers are seen).
     CLUSTER_NO_PEERS = 10005
     #: ``JSConsumerNameExistErr``: consumer name already in use.
@@ -78,9 +81,10 @@ CONSUMER_EXISTS = frozenset({ErrCode.CONSUMER_NAME_EXISTS, ErrCode.CONSUMER_ALRE
 #: Transient in a cluster whose peers are still coming online.
 NO_PLACEMENT = frozenset({ErrCode.CLUSTER_NO_PEERS, ErrCode.INSUFFICIENT_RESOURCES})
 
-#: The server is out of JetStream storage (its limits, or its disk).
+#: The server is out of JetStream storage (its or the account's limits, or its disk).
 STORAGE_FULL = frozenset(
     {
+        ErrCode.ACCOUNT_RESOURCES_EXCEEDED,
         ErrCode.INSUFFICIENT_RESOURCES,
         ErrCode.MEMORY_RESOURCES_EXCEEDED,
         ErrCode.STORAGE_RESOURCES_EXCEEDED,
