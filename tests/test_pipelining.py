@@ -7,6 +7,7 @@ reply parser on its own. The last test runs CASE-07 through a real queue (nats-s
 from __future__ import annotations
 
 import tracemalloc
+from typing import Any
 
 import pytest
 from test_smtp_client import (
@@ -20,6 +21,7 @@ from test_smtp_client import (
 )
 from test_worker import SENDER_ZONE, dsn_parts, gone
 
+from jsqueue.config import WorkerSettings
 from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.delivery.replyparser import (
     CUT_MARK,
@@ -456,6 +458,32 @@ async def test_malformed_reply_is_a_protocol_error_on_both_paths(
     assert pipelining or "DATA" not in verbs  # (a pipelined group always holds DATA)
 
 
+async def next_mx_delivers(
+    addresses: tuple[str, str], script: dict[str, Any], settings: WorkerSettings
+) -> None:
+    """The first MX (scripted with ``script``) fails before any body went out: the second
+    (offering PIPELINING as ``settings`` uses it) gets a@ and b@ in one transaction, and
+    the first has nothing."""
+    bad, good = addresses
+    port = shared_port([bad, good])
+    async with (
+        ScriptedMx(bad, port, **script) as first,
+        SmtpdMx(good, port, pipelining=settings.pipelining) as second,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.p.example.test", address=bad),
+                MxTarget(host="mx2.p.example.test", address=good),
+            ],
+            envelope(A, B),
+            body(),
+            settings.model_copy(update={"mx_port": port}),
+        )
+    assert result.delivered == [A, B], result.replies
+    assert first.delivered == []
+    assert [t.rcpt_to for t in second.delivered] == [[A, B]]
+
+
 @pytest.mark.parametrize(
     ("b_reply", "pipelining"),
     [
@@ -472,24 +500,11 @@ async def test_rcpt_failure_after_an_accepted_recipient_goes_to_the_next_mx(
     so nobody has the message, a@ included: on both paths the next MX gets a@ and b@ in one
     transaction (one command at a time used to defer them on the first MX, while the
     pipelined group went on to it: RFC 2920 §3.1)."""
-    bad, good = "127.0.2.234", "127.0.2.235"
-    port = shared_port([bad, good])
-    async with (
-        ScriptedMx(bad, port, rcpt_replies={B: b_reply}) as first,
-        SmtpdMx(good, port, pipelining=pipelining) as second,
-    ):
-        result = await deliver(
-            [
-                MxTarget(host="mx1.p.example.test", address=bad),
-                MxTarget(host="mx2.p.example.test", address=good),
-            ],
-            envelope(A, B),
-            body(),
-            settings_for(port, pipelining=pipelining, rcpt_timeout_s=1.0),
-        )
-    assert result.delivered == [A, B], result.replies
-    assert first.delivered == []
-    assert [t.rcpt_to for t in second.delivered] == [[A, B]]
+    await next_mx_delivers(
+        ("127.0.2.234", "127.0.2.235"),
+        {"rcpt_replies": {B: b_reply}},
+        settings_for(25, pipelining=pipelining, rcpt_timeout_s=1.0),
+    )
 
 
 @PATHS
@@ -501,23 +516,11 @@ async def test_a_failed_data_goes_to_the_next_mx_on_both_paths(
     connection closes, the reply times out): no body went out, so the next MX gets every
     recipient, pipelined or not (one command at a time used to defer them on the first
     MX)."""
-    bad, good = "127.0.2.237", "127.0.2.238"
-    port = shared_port([bad, good])
-    async with (
-        ScriptedMx(bad, port, data=data_reply) as first,
-        SmtpdMx(good, port, pipelining=pipelining) as second,
-    ):
-        result = await deliver(
-            [
-                MxTarget(host="mx1.p.example.test", address=bad),
-                MxTarget(host="mx2.p.example.test", address=good),
-            ],
-            envelope(A, B),
-            body(),
-            settings_for(port, pipelining=pipelining, data_init_timeout_s=1.0),
-        )
-    assert result.delivered == [A, B], result.replies
-    assert first.delivered == [] and [t.rcpt_to for t in second.delivered] == [[A, B]]
+    await next_mx_delivers(
+        ("127.0.2.237", "127.0.2.238"),
+        {"data": data_reply},
+        settings_for(25, pipelining=pipelining, data_init_timeout_s=1.0),
+    )
 
 
 @PATHS
