@@ -134,6 +134,11 @@ async def test_queue_publishes_every_state_change(
                 return await h.entry(qid) is None
 
             await eventually(gone, what="entry removed")
+            # the delivered event is emitted just after the removal's compare-and-set
+            await eventually(
+                lambda: publisher.published + publisher.failed + publisher.dropped >= 3,
+                what="three events handled by the publisher",
+            )
         assert await publisher.flush(10)
         # every event acknowledged by the stream: a lost one fails here, by its counter
         assert publisher.failed == 0 and publisher.dropped == 0 and publisher.published >= 3
