@@ -125,7 +125,12 @@ async def test_queue_publishes_every_state_change(
         await h.frontend.start()
         qid = await h.submit(MESSAGE, [RCPT])
         async with h.running(h.worker(observer=publisher)):
-            await eventually(lambda: mx.connections == 1, what="first attempt")
+
+            async def deferred_once() -> bool:  # (not the connection: its RCPT may be ahead)
+                e = await h.entry(qid)
+                return e is not None and e.recipients[0].attempts == 1
+
+            await eventually(deferred_once, what="first attempt recorded")
             mx.rcpt_replies.clear()
             await eventually(lambda: len(mx.delivered) == 1, what="retry delivered")
 

@@ -379,6 +379,10 @@ class FaultyStores:
                 assert inner.ingest is not None
                 await inner.ingest.record(key, queue_id)
 
+            async def forget(self, key: str, queue_id: str) -> None:
+                assert inner.ingest is not None
+                await inner.ingest.forget(key, queue_id)
+
         return Stores(Bodies(), Entries(), Scheduler(), inner.close, Ingest())  # type: ignore[arg-type]
 
 
