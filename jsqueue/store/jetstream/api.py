@@ -123,8 +123,9 @@ def describe(e: BaseException) -> str:
 
 
 def is_storage_full(e: BaseException) -> bool:
-    """Whether ``e`` is a write refused for lack of storage (:data:`STORAGE_FULL`, or a
-    stream at its byte or message limit)."""
+    """Whether ``e`` is a write refused for lack of storage (:data:`STORAGE_FULL`: the
+    server's, the account's, or a stream at its byte or message limit), which the front end
+    answers ``452 4.3.1`` (RFC 5321 §4.2.3, RFC 3463 §3.4 X.3.1). Pure; never raises."""
     if isinstance(e, nats.js.errors.APIError):
         err_code, text = e.err_code, e.description or ""
     elif isinstance(e, ApiError):
