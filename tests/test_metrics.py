@@ -68,11 +68,22 @@ async def test_metrics_endpoint_shows_counters_moving(queue_harness: Harness) ->
         async with SmtpdMx("127.0.2.20", h.mx_port, rcpt_replies={RCPT: "450 4.2.0 x"}) as mx:
             h.frontend = SmtpServer(h.settings.smtp, h.stores, metrics)
             await h.frontend.start()
-            await h.submit(MESSAGE, [RCPT])
+            qid = await h.submit(MESSAGE, [RCPT])
             async with h.running(h.worker(observer=metrics)):
-                await eventually(lambda: mx.connections == 1, what="first attempt")
+
+                async def deferred_once() -> bool:  # (not the connection: its RCPT may be ahead)
+                    e = await h.entry(qid)
+                    return e is not None and e.recipients[0].attempts == 1
+
+                await eventually(deferred_once, what="first attempt recorded")
                 mx.rcpt_replies.clear()
                 await eventually(lambda: len(mx.delivered) == 1, what="delivered")
+
+                async def delivered_counted() -> bool:  # counted just after the record
+                    got = await scrape(server.url)
+                    return got['jsqueue_delivery_attempts_total{outcome="delivered"}'] == 1
+
+                await eventually(delivered_counted, what="the delivery counted")
         after = await scrape(server.url)
     finally:
         await server.stop()
