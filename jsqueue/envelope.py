@@ -155,10 +155,16 @@ class Recipient(BaseModel):
 
 
 class Lease(BaseModel):
-    """A worker's claim on delivering one destination domain of an entry (DESIGN.md §2.3)."""
+    """A worker's claim on delivering one destination domain of an entry (DESIGN.md §2.3).
+
+    ``instance`` is the claiming process's presence id: it tells a live worker's lease
+    from one a later process of the same name took over. None in leases written before
+    it was recorded (they are told apart by ``owner`` only).
+    """
 
     owner: str
     until: UTCDateTime
+    instance: str | None = None
 
 
 class Entry(BaseModel):

@@ -18,6 +18,7 @@
     │   └── BodyCorrupt             the stored body does not match its SHA-256 digest
     ├── ProvisioningError           a bucket/stream/consumer exists with settings we cannot apply
     ├── LockLost                    the reconciler lock was lost (or not taken) for a pass
+    ├── LeaseLost                   the lease is another worker's: an outcome is not recorded
     ├── PolicyError                 a published TLS policy or report could not be had or sent
     ├── SigningError                a message could not be DKIM-signed (it goes unsigned)
     ├── RequestRejected             the HTTP API refuses a request (carries the HTTP status)
@@ -109,6 +110,12 @@ class ProvisioningError(JsqueueError):
 
 class LockLost(JsqueueError):
     """The reconciler lock was lost (or could not be renewed) during a pass."""
+
+
+class LeaseLost(JsqueueError):
+    """The lease on a destination is another worker's now (it took the destination over, or
+    a later process of the same name did): what this worker did there is not recorded over
+    it (DESIGN.md §2.3)."""
 
 
 class PolicyError(JsqueueError):

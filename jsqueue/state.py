@@ -141,7 +141,15 @@ def _copy(entry: Entry) -> Entry:
     )
 
 
-def claim(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) -> Entry:
+def claim(
+    entry: Entry,
+    domain: str,
+    owner: str,
+    now: datetime,
+    lease_s: float,
+    *,
+    instance: str | None = None,
+) -> Entry:
     """Take a lease on ``domain`` and mark its open recipients active (DESIGN.md §2.3).
 
     Args:
@@ -150,18 +158,39 @@ def claim(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) 
         owner: the worker's name, recorded in the lease.
         now: the current time, aware UTC.
         lease_s: the lease's length, seconds.
+        instance: the claiming process's id, recorded in the lease (:func:`holds`).
 
     Returns:
         a new entry; the caller writes it by compare-and-set before talking SMTP.
     """
     new = _copy(entry)
-    new.leases[domain] = Lease(owner=owner, until=now + timedelta(seconds=lease_s))
+    until = now + timedelta(seconds=lease_s)
+    new.leases[domain] = Lease(owner=owner, until=until, instance=instance)
     for r in new.open_recipients(domain):
         r.state = RecipientState.ACTIVE
     return new
 
 
-def renewed(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float) -> Entry | None:
+def holds(entry: Entry, domain: str, owner: str, instance: str | None = None) -> bool:
+    """Whether the lease on ``domain`` is ``owner``'s, and with ``instance`` that process's:
+    a lease of the same name that a later process took over (the earlier one hung past its
+    presence grace, then woke) is not. A lease or a caller without an instance is told by
+    the name alone. Pure (DESIGN.md §2.3)."""
+    lease = entry.leases.get(domain)
+    if lease is None or lease.owner != owner:
+        return False
+    return instance is None or lease.instance is None or lease.instance == instance
+
+
+def renewed(
+    entry: Entry,
+    domain: str,
+    owner: str,
+    now: datetime,
+    lease_s: float,
+    *,
+    instance: str | None = None,
+) -> Entry | None:
     """``entry`` with ``owner``'s lease on ``domain`` extended to ``now + lease_s`` (seconds),
     once at most half of ``lease_s`` is left (DESIGN.md §2.3: a live worker's lease never runs out,
     so nothing that takes over expired leases, a flush or another worker's claim, can start
@@ -169,26 +198,51 @@ def renewed(entry: Entry, domain: str, owner: str, now: datetime, lease_s: float
 
     Returns:
         the new entry (the caller writes it by compare-and-set); None when the lease is not
-        ``owner``'s (released, taken over) or more than half of ``lease_s`` is left.
+        ``owner``'s, or not ``instance``'s (:func:`holds`: released, taken over) or more
+        than half of ``lease_s`` is left.
     """
-    lease = entry.leases.get(domain)
-    if lease is None or lease.owner != owner:
+    if not holds(entry, domain, owner, instance):
         return None
+    lease = entry.leases[domain]
     if (lease.until - now).total_seconds() > lease_s / 2:
         return None
     new = _copy(entry)
-    new.leases[domain] = Lease(owner=owner, until=now + timedelta(seconds=lease_s))
+    until = now + timedelta(seconds=lease_s)
+    new.leases[domain] = lease.model_copy(update={"until": until})
     return new
 
 
-def lease_left_s(entry: Entry, domain: str, owner: str, now: datetime) -> float:
+def lease_left_s(
+    entry: Entry, domain: str, owner: str, now: datetime, *, instance: str | None = None
+) -> float:
     """Seconds left of ``owner``'s lease on ``domain`` at ``now``; 0 when it ran out or is
-    not ``owner``'s. Until then no other worker claims the destination (DESIGN.md §2.3), so
-    an outcome may still be recorded without the message being sent twice. Pure."""
-    lease = entry.leases.get(domain)
-    if lease is None or lease.owner != owner:
+    not ``owner``'s (:func:`holds`, with ``instance``). Until then no other worker claims
+    the destination (DESIGN.md §2.3), so an outcome may still be recorded without the
+    message being sent twice. Pure."""
+    if not holds(entry, domain, owner, instance):
         return 0.0
-    return max(0.0, (lease.until - now).total_seconds())
+    return max(0.0, (entry.leases[domain].until - now).total_seconds())
+
+
+def taken_over(entry: Entry, domain: str, owner: str, instance: str | None = None) -> Lease | None:
+    """The lease on ``domain`` when it is another's than ``owner``'s (``instance``'s, see
+    :func:`holds`): another worker, or a later process of the same name, took the
+    destination over, and an outcome ``owner`` records now would end that lease and
+    overwrite its recipients' states mid-delivery. None when the lease is ``owner``'s or
+    there is none (released: the outcome may be recorded). Pure (DESIGN.md §2.3)."""
+    lease = entry.leases.get(domain)
+    if lease is None or holds(entry, domain, owner, instance):
+        return None
+    return lease
+
+
+def recorded_at(entry: Entry, domain: str, at: datetime) -> bool:
+    """Whether an attempt on ``domain`` that ended at ``at`` is recorded in ``entry``: a
+    recipient of ``domain`` has ``at`` as its last attempt. ``at`` is the recording
+    worker's clock to the microsecond, so a write whose reply was lost (a timeout after
+    the server applied it) is told apart from one that was not applied, and is not
+    applied twice (which would count the attempt twice). Pure."""
+    return any(r.last_attempt_at == at for r in entry.recipients if r.domain == domain)
 
 
 def release(entry: Entry, domain: str) -> Entry:
@@ -251,7 +305,9 @@ def _with_cause(reply: Reply, previous: Reply | None) -> Reply:
     return reply.model_copy(update={"text": reply.text + _CAUSE + cause}).bounded()
 
 
-def hold(entry: Entry, domain: str, owner: str, reason: str | None) -> Entry:
+def hold(
+    entry: Entry, domain: str, owner: str, reason: str | None, *, instance: str | None = None
+) -> Entry:
     """Hold ``entry`` because a worker cannot store what it did with ``domain`` (the entry
     store refuses the entry as too large): ``owner``'s lease on ``domain`` is given back as
     by :func:`release` (another owner's stays), the hold flag is set as by an operator's
@@ -261,8 +317,7 @@ def hold(entry: Entry, domain: str, owner: str, reason: str | None) -> Entry:
     Returns:
         a new entry; the caller writes it by compare-and-set.
     """
-    lease = entry.leases.get(domain)
-    new = release(entry, domain) if lease is not None and lease.owner == owner else _copy(entry)
+    new = release(entry, domain) if holds(entry, domain, owner, instance) else _copy(entry)
     new.held = True
     new.last_error = reason
     return new

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from jsqueue import state
 from jsqueue.attempt_log import log_attempt, log_expired
@@ -27,8 +27,15 @@ from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
 from jsqueue.destinations import Destinations, Gate, put_back
 from jsqueue.envelope import Entry, utcnow
-from jsqueue.errors import EntryNotFound, EntryTooLarge, RevisionConflict, StoreUnavailable
+from jsqueue.errors import (
+    EntryNotFound,
+    EntryTooLarge,
+    LeaseLost,
+    RevisionConflict,
+    StoreUnavailable,
+)
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event
+from jsqueue.recording import AttemptRecord
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
@@ -49,16 +56,6 @@ RECORD_PAUSE_MAX_S = 0.1
 #: even that is refused, the entry is held (:meth:`Worker._hold`): a size refusal is never
 #: retried as if it were an outage, which would send the message again after the lease.
 REPLY_OCTET_STEPS = (STORED_REPLY_OCTETS, 64, 0)
-
-
-class _Outcome(NamedTuple):
-    """An attempt as recorded: the entry version written (or removed), what was recorded,
-    whether the entry was removed instead of updated, and when."""
-
-    version: Versioned
-    recorded: state.Recorded
-    removed: bool
-    at: datetime
 
 
 @dataclass(slots=True)
@@ -272,8 +269,7 @@ class Worker:
         """Drain path: release our lease and make the item due again at once."""
         with contextlib.suppress(StoreUnavailable, EntryNotFound, RevisionConflict):
             v = await self.stores.entries.get(due.item.queue_id)
-            lease = v.entry.leases.get(due.item.domain)
-            if lease is not None and lease.owner == self.owner:
+            if state.holds(v.entry, due.item.domain, self.owner, self.instance):
                 await self.stores.entries.update(
                     state.release(v.entry, due.item.domain), v.revision
                 )
@@ -397,7 +393,10 @@ class Worker:
                     await self._finish(v)
                     await due.ack()
                     return None
-                claimed = state.claim(v.entry, item.domain, self.owner, now, self.settings.lease_s)
+                lease_s, instance = self.settings.lease_s, self.instance
+                claimed = state.claim(
+                    v.entry, item.domain, self.owner, now, lease_s, instance=instance
+                )
                 old = v.entry.leases.get(item.domain)
                 self._busy.add(key)
                 try:
@@ -444,26 +443,49 @@ class Worker:
     ) -> None:
         """Record the attempt, log it, remove or finish the entry, settle the item (in the
         entry's turn; the first record try is on the newest version this process knows).
+        A destination another worker took over meanwhile (:class:`LeaseLost`) is left to it:
+        nothing is recorded, the item stays unsettled.
 
         Raises:
             StoreUnavailable: still, after the retries of :func:`cas.through_outage`.
         """
         item = due.item
-        outcome: _Outcome | None = None
+        outcome = None
+        record = AttemptRecord(
+            self.stores,
+            item.domain,
+            delivery,
+            self.clock(),
+            self._policy(held.version.entry),
+            self.rng,
+            self.owner,
+            self.instance,
+            self._removable,
+            self._pause,
+            RECORD_TRIES,
+        )
         for step, octets in enumerate(REPLY_OCTET_STEPS):
             start = turn.latest(held.version)
             # Lost to an outage, the record would mean a second copy (RFC 5321 §6.1).
-            left_s = state.lease_left_s(start.entry, item.domain, self.owner, self.clock())
-            record = partial(self._record, start, item.domain, delivery, octets, turn)
+            left_s = state.lease_left_s(
+                start.entry, item.domain, self.owner, self.clock(), instance=self.instance
+            )
+            write = partial(record.write, start, octets, turn)
             try:  # while neither the lease nor this worker's presence can run out
                 grace_s = self.settings.presence_grace_s / 2
-                outcome = await cas.through_outage(record, min(0.9 * left_s, grace_s))
+                outcome = await cas.through_outage(write, min(0.9 * left_s, grace_s))
             except EntryTooLarge as e:
                 refused = e
                 continue
             except StoreUnavailable:  # what the attempt did is still logged
                 self._log_unrecorded(held.version.entry, item.domain, delivery, started, False)
                 raise
+            except LeaseLost as e:
+                # Its new holder delivers and settles the destination; what this attempt
+                # did (a delivery above all: it happened) is still logged and told.
+                log.warning("queue %s: attempt not recorded: %s", item.queue_id, e)
+                self._log_unrecorded(held.version.entry, item.domain, delivery, started, True)
+                return
             if step and outcome is not None:
                 self._cut_further(outcome.version.entry, item.domain, octets, refused)
             break
@@ -510,52 +532,6 @@ class Worker:
         )
         log_attempt(o, self._source, entry, domain, done, started, now, delivery, events=events)
 
-    async def _record(
-        self, start: Versioned, domain: str, delivery: Attempt, octets: int, turn: cas.Turn
-    ) -> _Outcome | None:
-        """Record ``delivery`` by compare-and-set, reply texts bounded to ``octets``; None
-        when the entry was deleted meanwhile. The first try is on ``start`` (the claimed or
-        renewed version), no re-read: a change since then fails the compare-and-set, and
-        only then is the entry read again.
-
-        Raises:
-            EntryTooLarge: the entry store refuses the recorded entry for its size.
-            RevisionConflict: every try lost (:data:`RECORD_TRIES`).
-            StoreUnavailable: a read or write failed.
-            AssertionError: never: :func:`~jsqueue.store.cas.versions` raises
-                RevisionConflict when its tries run out (an unreachable guard).
-        """
-        versions = cas.versions(self.stores.entries, start, tries=RECORD_TRIES, pause=self._pause)
-        async for v in versions:
-            if v is None:
-                return None
-            now = self.clock()
-            new, recorded = state.record(
-                v.entry,
-                domain,
-                delivery.replies,
-                now,
-                self._policy(v.entry),
-                self.rng,
-                reply_octets=octets,
-                dkim=delivery.dkim,
-                next_hop_dsn=delivery.next_hop_dsn,
-            )
-            try:
-                if self._removable(new, now):
-                    # Done and nothing owed: the compare-and-set that would record the
-                    # outcome removes the entry instead (one synced write less). The body
-                    # goes after it (an inline body went with the entry); a crash in
-                    # between leaves an orphan body for the reconciler, never an entry
-                    # without its body.
-                    await self.stores.entries.delete(new.id, revision=v.revision)
-                    return _Outcome(Versioned(new, v.revision), recorded, True, now)
-                written = turn.saw(await self._update(new, v.revision))
-                return _Outcome(written, recorded, False, now)
-            except RevisionConflict:
-                continue
-        raise AssertionError("unreachable: versions() raises when its tries run out")
-
     def _cut_further(self, entry: Entry, domain: str, octets: int, error: EntryTooLarge) -> None:
         """Say that an attempt was recorded with its replies cut to ``octets`` octets."""
         detail = f"{domain}: replies recorded cut to {octets} octets ({error})"
@@ -594,7 +570,7 @@ class Worker:
             changed = await cas.change(
                 self.stores.entries,
                 start,
-                lambda e: state.hold(e, item.domain, self.owner, reason),
+                lambda e: state.hold(e, item.domain, self.owner, reason, instance=self.instance),
                 write=write,
                 tries=RECORD_TRIES,
                 pause=self._pause,
@@ -660,7 +636,9 @@ class Worker:
         """
         held.version = turn.latest(held.version)
         entry = held.version.entry
-        renewed = state.renewed(entry, domain, self.owner, self.clock(), self.settings.lease_s)
+        renewed = state.renewed(
+            entry, domain, self.owner, self.clock(), self.settings.lease_s, instance=self.instance
+        )
         if renewed is None:
             return
         try:

@@ -22,13 +22,16 @@ from jsqueue.state import (
     flushed,
     held,
     hold,
+    holds,
     record,
+    recorded_at,
     release,
     released_from_hold,
     renewed,
     requeued,
     settled,
     site_deferred,
+    taken_over,
 )
 
 T0 = datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
@@ -97,6 +100,53 @@ def test_own_lease_is_renewed_from_half_time() -> None:
     assert renewed(claimed, domain, "w1", late, 30) is not None
     assert renewed(claimed, domain, "w2", later, 30) is None
     assert renewed(release(claimed, domain), domain, "w1", later, 30) is None
+
+
+def test_a_lease_is_told_by_its_process_not_only_its_name() -> None:
+    """DESIGN.md §2.3: a lease records its process (instance). The same name with another
+    instance is a later process that took the destination over (this one hung past its
+    presence grace): not this process's to renew, record over or give back. A lease
+    written without an instance, or a caller that names none, goes by the name alone."""
+    domain = "mixed.example.test"
+    mine = claim(make_entry(f"a@{domain}"), domain, "w1", T0, 30, instance="p1")
+    assert mine.leases[domain].instance == "p1"
+    assert holds(mine, domain, "w1", "p1") and holds(mine, domain, "w1")
+    assert not holds(mine, domain, "w1", "p2") and not holds(mine, domain, "w2", "p1")
+    assert taken_over(mine, domain, "w1", "p1") is None
+    assert taken_over(mine, domain, "w1", "p2") == mine.leases[domain]
+    assert taken_over(mine, domain, "w2", "p1") == mine.leases[domain]
+    assert taken_over(release(mine, domain), domain, "w1", "p1") is None  # none: free
+    legacy = claim(make_entry(f"a@{domain}"), domain, "w1", T0, 30)
+    assert holds(legacy, domain, "w1", "p2") and taken_over(legacy, domain, "w1", "p2") is None
+    later = T0 + timedelta(seconds=20)
+    again = renewed(mine, domain, "w1", later, 30, instance="p1")
+    assert again is not None and again.leases[domain].instance == "p1"  # the instance kept
+    assert renewed(mine, domain, "w1", later, 30, instance="p2") is None
+    kept = hold(mine, domain, "w1", "too large", instance="p2")
+    assert kept.leases == mine.leases and kept.held  # not given back: another process's
+
+
+def test_an_attempt_is_found_recorded_by_its_instant() -> None:
+    """An attempt recorded with its end instant is found in the entry by that instant (to
+    the microsecond), on its own domain only: the worker does not apply a record twice
+    whose first write's reply was lost (jsqueue.recording)."""
+    at = T0 + timedelta(seconds=3, microseconds=417)
+    e = claim(
+        make_entry("a@one.example.test", "b@two.example.test"), "one.example.test", "w", T0, 60
+    )
+    assert not recorded_at(e, "one.example.test", at)
+    new, _ = record(
+        e,
+        "one.example.test",
+        {"a@one.example.test": reply(450, "4.2.0")},
+        at,
+        POLICY,
+        random.Random(1),
+    )
+    assert recorded_at(new, "one.example.test", at)
+    assert not recorded_at(new, "one.example.test", at + timedelta(microseconds=1))
+    assert not recorded_at(new, "two.example.test", at)
+    assert recorded_at(Entry.model_validate_json(new.model_dump_json()), "one.example.test", at)
 
 
 def test_mixed_replies_give_per_recipient_states() -> None:

@@ -388,7 +388,7 @@ async def test_an_inline_body_leaves_an_entry_that_its_replies_make_too_large(
 ) -> None:
     """``smtp.inline_body_max``: long multi-line 4yz replies (RFC 5321 §4.2.1) recorded on
     an entry with an inline body would take it past what the entry store holds (even kept
-    bounded, 12 recipients' worth); the body goes to the body store first, so the outcome is
+    bounded, 11 recipients' worth); the body goes to the body store first, so the outcome is
     recorded (not refused for its size, which would send the message again after the
     lease), and the later attempt delivers it."""
     h = queue_harness
@@ -400,7 +400,7 @@ async def test_an_inline_body_leaves_an_entry_that_its_replies_make_too_large(
     message = b"Subject: x\r\n\r\n" + b"body line\r\n" * 180  # 2 KB: fits at ingest
     reply = "\n".join(f"450-4.2.1 busy {i:02d} " + "x" * 480 for i in range(20))
     reply += "\n450 4.2.1 try later"
-    rcpts = [f"u{i:02d}@long-reply.example.test" for i in range(12)]
+    rcpts = [f"u{i:02d}@long-reply.example.test" for i in range(11)]
     async with ScriptedMx("127.0.2.19", h.mx_port, rcpt=reply) as mx:
         qid = await h.submit(message, rcpts)
         submitted = await h.entry(qid)

@@ -1,0 +1,147 @@
+"""Recording one delivery attempt's outcome by compare-and-set, for the worker (DESIGN.md
+§2.3: the outcome of what was sent is written by the lease's holder before the work item is
+settled). Two faults of a plain compare-and-set loop are ruled out here:
+
+- **A write whose reply was lost** (a timeout after the server applied it, during a NATS
+  restart or a leader election) is not applied a second time when it is tried again: the
+  entry read after the lost compare-and-set shows the attempt
+  (:func:`jsqueue.state.recorded_at`: every try records the same instant), and that is the
+  outcome. Applied again, each deferred recipient's attempt would count twice, and a
+  removal tried again would report the entry as deleted by someone else.
+- **A lease another holds** (a worker that took the destination over after this one's lease
+  or presence ran out, or a later process of the same name after this one hung) is not
+  ended: :func:`jsqueue.state.taken_over` refuses the version, and
+  :class:`~jsqueue.errors.LeaseLost` is raised. Written, the record would drop that
+  worker's lease and overwrite its recipients' states while it delivers to them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import NamedTuple
+
+from jsqueue import state
+from jsqueue.delivery.base import Attempt
+from jsqueue.envelope import Entry
+from jsqueue.errors import LeaseLost, RevisionConflict, StoreUnavailable
+from jsqueue.retry import RetryPolicy
+from jsqueue.store import cas, layout
+from jsqueue.store.base import Stores, Versioned
+
+
+class Outcome(NamedTuple):
+    """An attempt as recorded: the entry version written (or removed), what was recorded,
+    whether the entry was removed instead of updated, and when."""
+
+    version: Versioned
+    recorded: state.Recorded
+    removed: bool
+    at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsure:
+    """A write that failed without a verdict: it may have been applied."""
+
+    entry: Entry
+    recorded: state.Recorded
+    revision: int
+    removed: bool
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    """The record of one attempt on ``domain``, written by :meth:`write` (tried again by
+    the caller through an outage: each try knows what the earlier ones may have written).
+
+    Attributes:
+        stores: the entry store written, the body store an inline body may move to.
+        domain: the destination domain attempted.
+        delivery: the attempt's replies per recipient, DKIM note and DSN hand-over.
+        at: the attempt's end, aware UTC: the same instant on every try.
+        policy: when a 4yz is retried, or expires (:func:`jsqueue.state.record`).
+        rng: jitter source of ``policy``.
+        owner: the recording worker's lease owner name.
+        instance: the recording process's id (the lease's ``instance``).
+        removable: whether a recorded entry is removed instead of written (final, owing
+            nothing): ``removable(entry, at)``.
+        pause: the pause before compare-and-set try ``n`` (seconds).
+        tries: compare-and-set tries per :meth:`write`.
+    """
+
+    stores: Stores
+    domain: str
+    delivery: Attempt
+    at: datetime
+    policy: RetryPolicy
+    rng: random.Random
+    owner: str
+    instance: str
+    removable: Callable[[Entry, datetime], bool]
+    pause: cas.Pause
+    tries: int
+    _unsure: _Unsure | None = None
+
+    async def write(self, start: Versioned, octets: int, turn: cas.Turn) -> Outcome | None:
+        """Record the attempt, reply texts bounded to ``octets``; None when the entry was
+        deleted meanwhile. The first try is on ``start`` (the claimed or renewed version),
+        no re-read: a change since then fails the compare-and-set, and only then is the
+        entry read again.
+
+        Idempotent across calls: when an earlier call's write failed without a verdict and
+        was applied after all, the version read shows it and is returned as the outcome.
+
+        Raises:
+            LeaseLost: the lease on ``domain`` is another's (nothing written).
+            EntryTooLarge: the entry store refuses the recorded entry for its size.
+            RevisionConflict: every try lost (``tries``).
+            StoreUnavailable: a read or write failed (the write may have been applied;
+                the next call tells).
+            AssertionError: never: :func:`~jsqueue.store.cas.versions` raises
+                RevisionConflict when its tries run out (an unreachable guard).
+        """
+        versions = cas.versions(self.stores.entries, start, tries=self.tries, pause=self.pause)
+        async for v in versions:
+            unsure = self._unsure
+            if v is None:
+                if unsure is not None and unsure.removed:  # the removal was applied
+                    was = Versioned(unsure.entry, unsure.revision)
+                    return Outcome(was, unsure.recorded, True, self.at)
+                return None
+            if unsure is not None and state.recorded_at(v.entry, self.domain, self.at):
+                return Outcome(turn.saw(v), unsure.recorded, False, self.at)
+            other = state.taken_over(v.entry, self.domain, self.owner, self.instance)
+            if other is not None:
+                raise LeaseLost(f"{self.domain} is leased by {other.owner} until {other.until}")
+            new, recorded = state.record(
+                v.entry,
+                self.domain,
+                self.delivery.replies,
+                self.at,
+                self.policy,
+                self.rng,
+                reply_octets=octets,
+                dkim=self.delivery.dkim,
+                next_hop_dsn=self.delivery.next_hop_dsn,
+            )
+            removed = self.removable(new, self.at)
+            try:
+                if removed:
+                    # Done and nothing owed: the compare-and-set that would record the
+                    # outcome removes the entry instead (one synced write less). The body
+                    # goes after it (an inline body went with the entry); a crash in
+                    # between leaves an orphan body for the reconciler, never an entry
+                    # without its body.
+                    await self.stores.entries.delete(new.id, revision=v.revision)
+                    return Outcome(Versioned(new, v.revision), recorded, True, self.at)
+                written = turn.saw(await layout.update_entry(self.stores, new, v.revision))
+                return Outcome(written, recorded, False, self.at)
+            except RevisionConflict:
+                continue
+            except StoreUnavailable:
+                self._unsure = _Unsure(new, recorded, v.revision, removed)
+                raise
+        raise AssertionError("unreachable: versions() raises when its tries run out")
