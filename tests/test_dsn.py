@@ -489,6 +489,19 @@ def test_ret_hdrs_or_default_returns_headers(ret: Literal["HDRS"] | None) -> Non
     assert b"Please confirm" not in content
 
 
+def test_ret_hdrs_without_the_empty_line_returns_no_body_text() -> None:
+    """RFC 3461 §4.3, RFC 5322 §2.2: a message whose body text follows its fields without
+    the empty line (or that has no header at all) is returned as the fields alone; the
+    text/rfc822-headers part (RFC 6522 §4) never carries the body."""
+    e = entry([recipient("b@rej.example.test", RecipientState.BOUNCED, CASE22_550)], ret="HDRS")
+    original = b"From: a@src.example.test\r\nSubject: x\r\nsecret body text\r\nmore: of it\r\n"
+    returned = parts(parse(failure_dsn(e, original=original)))[2]
+    assert returned.get_content_type() == "text/rfc822-headers"
+    assert returned.get_payload(decode=True) == b"From: a@src.example.test\r\nSubject: x\r\n"
+    headless = failure_dsn(e, original=b"just text, no header\r\nsecret: body\r\n")
+    assert b"secret" not in headless and parts(parse(headless))[2].get_payload() == ""
+
+
 def test_ret_full_8bit_body_returned_exactly() -> None:
     """RFC 2046 §5.2.1, RFC 6152: an 8-bit original under RET=FULL comes back byte for byte in
     message/rfc822 with Content-Transfer-Encoding 8bit (the DSN is then 8-bit)."""
@@ -789,6 +802,13 @@ def test_build_rejects_bad_input() -> None:
         (b"\r\nbody only\r\n", False, b""),
         (b"A: 1\r\n folded\r\n\r\n", False, b"A: 1\r\n folded\r\n"),
         (b"S: \xc3\xa4\xff\r\n\r\nx", False, b"S: \xc3\xa4\xff\r\n"),  # 8-bit untouched
+        # RFC 5322 §2.2: a line that is neither a field nor a continuation ends the section
+        (b"A: 1\r\nbody text\r\nmore\r\n", True, b"A: 1\r\n"),  # no empty line
+        (b"A: 1\r\nbody text\r\nmore", False, b"A: 1\r\n"),  # decided before the end
+        (b"A: 1\r\nbody", True, b"A: 1\r\n"),
+        (b"body first\r\nA: 1\r\n\r\n", True, b""),
+        (b" folded first\r\nA: 1\r\n\r\n", False, b""),
+        (b"A: 1\r\nB : obsolete\r\n\r\nx", False, b"A: 1\r\nB : obsolete\r\n"),  # §4.5
     ],
 )
 def test_header_block(data: bytes, complete: bool, expected: bytes | None) -> None:

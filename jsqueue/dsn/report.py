@@ -38,6 +38,7 @@ _HARD_WORD = 900  # split words longer than this: RFC 5322 §2.1.1 limits lines 
 _ENHANCED_RE = re.compile(r"^[245]\.\d{1,3}\.\d{1,3}$")
 _CTL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _NEWLINE_RE = re.compile(rb"\r?\n")
+_FIELD_LINE_RE = re.compile(rb"[\x21-\x39\x3b-\x7e]+[ \t]*:")  # RFC 5322 §3.6.8 field-name
 
 
 class DsnEvent(StrEnum):
@@ -190,30 +191,49 @@ def header_block(data: bytes, *, complete: bool = False) -> bytes | None:
     """The header section at the start of a message (RFC 5322 §2.1), as raw bytes.
 
     Works on the first chunk(s) of a body: no decoding happens, so 8-bit and UTF-8 headers
-    (RFC 6532) pass through untouched. Line ends are normalised to CRLF.
+    (RFC 6532) pass through untouched. Line ends are normalised to CRLF. The section is
+    the header fields and their folded continuation lines (RFC 5322 §2.2, §2.2.3); it ends
+    at the empty line, or at the first line that is neither a field (``name:``) nor a
+    continuation of one: a message whose body follows its fields without the empty line
+    (or that starts with body text) must not have that text returned as headers
+    (RFC 3461 §4.3: ``RET=HDRS`` returns the headers only).
 
     Args:
         data: a prefix of the message (or the whole message).
-        complete: ``data`` is the whole message; a message without an empty line is then
-            all header.
+        complete: ``data`` is the whole message; a message without an empty line or a
+            line of body text is then all header.
 
     Returns:
         the header lines, each ending in CRLF, without the empty separator line (``b""`` when
-        the message starts with an empty line); None when ``data`` ends before the header
-        section does and ``complete`` is False (read more and call again).
+        the message starts with an empty line or with a line that is no header field);
+        None when ``data`` ends before the header section does and ``complete`` is False
+        (read more and call again).
     """
-    if data.startswith(b"\r\n") or data.startswith(b"\n"):
-        return b""
-    match = re.search(rb"\r?\n\r?\n", data)
-    if match is not None:
-        head = data[: match.start()]
-    elif complete:
-        head = data.rstrip(b"\r\n")
-    else:
-        return None
-    if not head:
-        return b""
-    return _NEWLINE_RE.sub(b"\r\n", head) + b"\r\n"
+    lines: list[bytes] = []
+    pos = 0
+    while True:
+        match = _NEWLINE_RE.search(data, pos)
+        if match is None:
+            if not complete:
+                return None
+            line = data[pos:]
+            if line and _is_header_line(line, bool(lines)):
+                lines.append(line)
+            break
+        line = data[pos : match.start()]
+        if not _is_header_line(line, bool(lines)):
+            break
+        lines.append(line)
+        pos = match.end()
+    return b"".join(line + b"\r\n" for line in lines)
+
+
+def _is_header_line(line: bytes, after_field: bool) -> bool:
+    """A header field's first line, or (``after_field``) a folded continuation of one
+    (RFC 5322 §2.2, §3.6.8; white space before the colon is obsolete syntax, §4.5)."""
+    if line[:1] in (b" ", b"\t"):
+        return after_field
+    return _FIELD_LINE_RE.match(line) is not None
 
 
 # --------------------------------------------------------------------------- formatting
