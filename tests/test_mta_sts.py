@@ -153,6 +153,27 @@ async def test_enforce_with_non_matching_mx_defers_and_sends_nothing(
     assert ("mta-sts.strict.example.test", "A") in dns_server.queried  # our resolver
 
 
+async def test_enforce_with_an_extension_field_is_still_enforced(
+    certs: Certs, tmp_path: Path, dns_server: DnsServer, policy_server: PolicyServer
+) -> None:
+    """RFC 8461 §3.2: a field of an extension (``sts-policy-ext-name`` may hold ``-`` and
+    ``.``) is ignored, not a reason to drop the policy: enforce still keeps mail off an MX
+    that matches no pattern (4.7.5, never connected), where an unparsed policy meant
+    opportunistic delivery in plaintext."""
+    text = policy("enforce", mx="mx.elsewhere.example.test") + "x-report.v2: on\r\n"
+    policy_server.text = text
+    port = shared_port([MX_HOST])
+    engine, ws = engine_for(
+        dns_server, policy_server, certs.ca_file(tmp_path), port, MemoryPolicyCache()
+    )
+    async with ScriptedMx(MX_HOST, port, name=MX_NAME) as mx:
+        result = await attempt(engine, ws)
+    reply = result.replies[RCPT]
+    assert reply.is_temporary and reply.enhanced == "4.7.5", reply
+    assert reply.tls is not None and reply.tls.policy == "mta-sts enforce"
+    assert mx.connections == 0
+
+
 async def test_case20_e_enforce_handshake_failure_never_plaintext(
     certs: Certs, tmp_path: Path, dns_server: DnsServer, policy_server: PolicyServer
 ) -> None:
@@ -269,6 +290,10 @@ def test_strict_parser_and_patterns() -> None:
     assert parse_record(["v=STSv1; id=not-alnum;"]) is None
     p = parse_policy("example.com", "1", policy("enforce", "*.example.net") + "ext: 1\n", 0.0)
     assert p.mx == ("*.example.net",) and p.max_age_s == 86400
+    # RFC 8461 §3.2 sts-policy-ext-name: letters, digits, "_", "-" and "." (up to 32)
+    for ext in ("x-ext: 1", "vendor.example_opt: a b", "9" * 32 + ": v"):
+        p = parse_policy("example.com", "1", policy("enforce") + ext + "\n", 0.0)
+        assert p.mode.value == "enforce" and p.mx == (MX_NAME,)
     for bad in (
         "version: STSv2\nmode: enforce\nmx: a.example\nmax_age: 1\n",
         "version: STSv1\nmode: enforce\nmax_age: 1\n",
@@ -277,6 +302,8 @@ def test_strict_parser_and_patterns() -> None:
         "version: STSv1\nmode: enforce\nmx: a.*.example\nmax_age: 1\n",
         "version: STSv1\nmode: enforce\nmode: none\nmx: a.example\nmax_age: 1\n",
         "version STSv1\n",
+        policy("enforce") + "-ext: 1\n",  # an ext-name starts with a letter or digit
+        policy("enforce") + "x" * 33 + ": 1\n",  # and has at most 32 characters
     ):
         with pytest.raises(PolicyError) as e:
             parse_policy("example.com", "1", bad, 0.0)

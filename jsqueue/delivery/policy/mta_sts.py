@@ -54,7 +54,9 @@ _MAX_AGE_RE = re.compile(r"[0-9]{1,10}")
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _PATTERN_RE = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})+")
 INVALID = "sts-policy-invalid"
-_LINE_RE = re.compile(r"([A-Za-z0-9_]+):[ \t]*(.*?)[ \t]*")
+#: RFC 8461 §3.2: ``sts-policy-ext-name = (ALPHA / DIGIT) *31(ALPHA / DIGIT / "_" / "-" /
+#: ".")``; the standard keys (``version``, ``mode``, ``max_age``, ``mx``) fit it too.
+_LINE_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,31}):[ \t]*(.*?)[ \t]*")
 
 
 class StsMode(StrEnum):
@@ -170,7 +172,8 @@ def parse_policy(domain: str, policy_id: str, text: str, fetched_at: float) -> S
     ``mode`` one of enforce/testing/none, ``max_age`` 1-10 digits and at most 31557600;
     ``mx`` (repeatable) a host name or ``*.``-wildcard, at least one unless the mode is
     ``none``. ``version``, ``mode`` and ``max_age`` may appear once each; other keys
-    (extensions) are ignored.
+    (extensions, whose names may hold ``_``, ``-`` and ``.``) are ignored, so that an
+    extension a policy domain adds never turns its policy into no policy.
 
     Raises:
         PolicyError: the body is not a valid policy (result type ``sts-policy-invalid``).
