@@ -41,6 +41,7 @@ HOSTS = {"ok": "127.0.2.31", "bad": "127.0.2.32", "bogus": "127.0.2.33", "ta": "
 PLAIN = "127.0.2.35"
 RECEIVER = "127.0.2.36"
 ALIAS = "127.0.2.37"  # HTTPS receiver of TLS reports (reports.plain.test)
+BOGUS_DNS = "127.0.2.38"  # the MX of bogusmx.dane.test and bogusaddr.dane.test
 MESSAGE = b"From: a@example.test\r\nTo: b@dane.test\r\nSubject: dane\r\n\r\nbody\r\n"
 
 
@@ -81,9 +82,14 @@ class World:
         records += "alias 300 IN MX 10 mx.alias\nmx.alias 300 IN CNAME real.alias\n"
         records += f"real.alias 300 IN A {ALIAS}\n"
         records += f"_25._tcp.real.alias 300 IN TLSA 3 1 1 {alias_spki}\n"
+        # RFC 7672 §2.1.1: a bogus MX RRset, a bogus address RRset of an MX host
+        for k in ("bogusmx", "bogusaddr"):
+            records += f"{k} 300 IN MX 10 mx.{k}\nmx.{k} 300 IN A {BOGUS_DNS}\n"
         self.signed = make_zone("dane.test.", records)
         self.anchor = sign(self.signed)
         break_signature(self.signed, "_25._tcp.mx.bogus.dane.test.", "TLSA")
+        break_signature(self.signed, "bogusmx.dane.test.", "MX")
+        break_signature(self.signed, "mx.bogusaddr.dane.test.", "A")
         self.plain = make_zone(
             "plain.test.",
             f"ok 300 IN MX 10 mx.ok\nmx.ok 300 IN A {PLAIN}\nreports 300 IN A {RECEIVER}\n",
@@ -205,6 +211,47 @@ async def test_bogus_tlsa_defers_and_never_connects(world: tuple[World, Unbound]
     assert reply.tls is not None and reply.tls.result == "dnssec-invalid"
     assert mx.connections == 0
     assert "validation failure" in unbound.log
+
+
+@pytest.mark.parametrize("key", ["bogusmx", "bogusaddr"])
+async def test_bogus_mx_or_address_defers_through_a_plain_resolver(
+    world: tuple[World, Unbound], key: str
+) -> None:
+    """RFC 7672 §2.1.1: a bogus MX RRset (or a bogus address RRset of the MX host) delays
+    delivery; DANE is not dropped for opportunistic TLS. The MX hosts come from a
+    non-validating nameserver (``worker.nameservers`` = the authoritative server, the
+    validator only in ``outbound_tls.dnssec_nameservers``), which answers without error:
+    the MX is never contacted."""
+    w, unbound = world
+    port = shared_port([BOGUS_DNS])
+    plain = unbound.upstream
+    ws = settings(unbound, port).model_copy(
+        update={"nameservers": plain.nameservers, "nameserver_port": plain.port}
+    )
+    tls = OutboundTlsSettings(
+        dane=True,
+        mta_sts=False,
+        dnssec_nameservers=[unbound.host],
+        dnssec_nameserver_port=unbound.port,
+    )
+    engine = PolicyEngine(tls, ws)
+    rcpt = f"user@{key}.dane.test"
+    r = Recipient.from_address(rcpt)
+    envelope = DeliveryEnvelope(domain=r.domain, reverse_path="a@example.test", recipients=(r,))
+    async with ScriptedMx(BOGUS_DNS, port, name=f"mx.{key}.dane.test", tls=w.context("ok")) as mx:
+        result = await deliver_domain(
+            DnsResolver.from_settings(ws),
+            envelope,
+            BodySource.from_bytes(MESSAGE),
+            ws,
+            None,
+            engine,
+        )
+    reply = result.replies[rcpt]
+    assert reply.is_temporary and reply.enhanced == "4.7.5", reply
+    assert reply.tls is not None and reply.tls.policy == "dane"
+    assert reply.tls.result == "dnssec-invalid"
+    assert mx.connections == 0
 
 
 async def test_unsigned_zone_is_opportunistic(world: tuple[World, Unbound]) -> None:

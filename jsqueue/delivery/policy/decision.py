@@ -6,7 +6,10 @@
 2. ``dane`` (RFC 7672), when enabled and the MX RRset is DNSSEC-secure: a usable TLSA set
    at ``_25._tcp.<mx>`` makes TLS mandatory and authenticated by it; a TLSA set with no
    usable record makes TLS mandatory without authentication (RFC 7672 §2.2, as Postfix's
-   ``encrypt`` fallback); a bogus answer defers the MX (never plaintext). DANE takes
+   ``encrypt`` fallback); a bogus answer defers the MX (never plaintext), and so does a
+   bogus or unanswered MX RRset (the whole destination) or address RRset (that MX):
+   RFC 7672 §2.1.1, delivery is delayed rather than the DNSSEC state guessed, also when
+   the MX hosts were found through other, non-validating nameservers. DANE takes
    precedence over MTA-STS (RFC 8461 §2).
 3. ``mta-sts enforce`` / ``mta-sts testing`` (RFC 8461 §5): enforce uses only MXes that
    match the policy, over TLS with a WebPKI-valid certificate for the MX name, else
@@ -207,10 +210,13 @@ class PolicyEngine:
         is secure; §2.2.2: and the host's address RRset, whose CNAME-expanded name is asked
         for TLSA first; §2.1.1: bogus defers)."""
         implicit = all(t.preference is None for t in targets)
-        mx_state = await self.dnssec.state(domain, "A" if implicit else "MX")
+        rrset = "A" if implicit else "MX"
+        mx_state = await self.dnssec.state(domain, rrset)
+        if mx_state is DnssecState.BOGUS:
+            why = f"{domain} {rrset}: DNSSEC validation failed or no validating resolver answered"
+            log.warning("DANE %s; deferred", why)
+            return {t.host: _bogus(domain, t.host, why) for t in targets}
         if mx_state is not DnssecState.SECURE:
-            if mx_state is DnssecState.BOGUS:
-                log.info("DANE %s: MX RRset bogus or unresolvable; not applied", domain)
             return {}
         plans: dict[str, TlsPlan] = {}
         for target in targets:
@@ -219,6 +225,12 @@ class PolicyEngine:
                 continue
             rdtype = "AAAA" if ":" in target.address else "A"
             state, expanded = await self.dnssec.address_state(host, rdtype)
+            if state is DnssecState.BOGUS:
+                why = (
+                    f"{host} {rdtype}: DNSSEC validation failed or no validating resolver answered"
+                )
+                plans[host] = _bogus(domain, host, why)
+                continue
             if state is not DnssecState.SECURE:
                 continue
             found, base = await self.dnssec.tlsa_of(host, expanded)
@@ -242,3 +254,10 @@ class PolicyEngine:
                 why = f"TLSA at _25._tcp.{base} all unusable: encryption without authentication"
                 plans[host] = TlsPlan(DANE, required=True, detail=why, policy_domain=domain)
         return plans
+
+
+def _bogus(domain: str, host: str, why: str) -> TlsPlan:
+    """The plan of an MX that must not be used: a DNS answer on its way was bogus or
+    indeterminate (RFC 7672 §2.1.1: delay, never guess the DNSSEC state)."""
+    note = TlsNote(policy=DANE, result="dnssec-invalid", detail=why, mx=host)
+    return TlsPlan(DANE, refuse=note, detail=why, policy_domain=domain)
