@@ -50,13 +50,26 @@ class PolicyServer:
     def __init__(self, certs: Certs, text: str) -> None:
         self.text = text
         self.hits = 0
+        self.split_at: int | None = None
+        self.pause_s = 0.3
         self.context = certs.server_context("mta-sts.strict.example.test")
         self.port = 0
         self._runner: web.AppRunner | None = None
 
-    async def _policy(self, request: web.Request) -> web.Response:
+    async def _policy(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
-        return web.Response(text=self.text, content_type="text/plain")
+        if self.split_at is None:
+            return web.Response(text=self.text, content_type="text/plain")
+        # a slow server: the body in two writes with a pause between (as WAIT in the
+        # scripted MXes), so the client's first read returns only the first part
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        data = self.text.encode()
+        await response.write(data[: self.split_at])
+        await asyncio.sleep(self.pause_s)
+        await response.write(data[self.split_at :])
+        await response.write_eof()
+        return response
 
     async def start(self) -> PolicyServer:
         app = web.Application()
@@ -172,6 +185,30 @@ async def test_enforce_with_an_extension_field_is_still_enforced(
     assert reply.is_temporary and reply.enhanced == "4.7.5", reply
     assert reply.tls is not None and reply.tls.policy == "mta-sts enforce"
     assert mx.connections == 0
+
+
+async def test_a_policy_body_arriving_in_parts_is_read_whole(
+    certs: Certs, tmp_path: Path, dns_server: DnsServer, policy_server: PolicyServer
+) -> None:
+    """RFC 8461 §3.3: the policy is the whole HTTP body. A server that sends it in two
+    pieces (the MX pattern of our MX in the second) yields the whole policy, not the first
+    piece: enforce then allows the MX and the mail goes out over verified TLS, where a
+    policy cut after the first read deferred it (4.7.5, MX outside the policy)."""
+    policy_server.text = (
+        "version: STSv1\r\nmode: enforce\r\nmax_age: 86400\r\n"
+        f"mx: mx.elsewhere.example.test\r\nmx: {MX_NAME}\r\n"
+    )
+    policy_server.split_at = policy_server.text.index(f"mx: {MX_NAME}")
+    port = shared_port([MX_HOST])
+    engine, ws = engine_for(
+        dns_server, policy_server, certs.ca_file(tmp_path), port, MemoryPolicyCache()
+    )
+    async with ScriptedMx(MX_HOST, port, name=MX_NAME, tls=certs.server_context(MX_NAME)) as mx:
+        result = await attempt(engine, ws)
+    assert result.delivered == [RCPT], result.replies
+    assert mx.delivered[0].tls
+    note = result.replies[RCPT].tls
+    assert note is not None and note.policy == "mta-sts enforce" and note.result == "success"
 
 
 async def test_case20_e_enforce_handshake_failure_never_plaintext(

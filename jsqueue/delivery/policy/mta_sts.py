@@ -262,6 +262,23 @@ class DnsHttpResolver(AbstractResolver):
         return None
 
 
+async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The response body up to ``limit`` octets: read until the end of the body or the
+    limit (one read returns what has arrived so far, which may be only part of it).
+
+    Raises:
+        aiohttp.ClientError: the connection failed while reading.
+        TimeoutError: the session's timeout ran out.
+    """
+    body = bytearray()
+    while len(body) < limit:
+        chunk = await response.content.read(limit - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
+
+
 class MtaSts:
     """MTA-STS discovery, fetch and cache for the worker (RFC 8461 §3, §5.1).
 
@@ -339,7 +356,7 @@ class MtaSts:
                 if response.content_type != "text/plain":
                     what = f"{url}: media type {response.content_type}, not text/plain"
                     raise PolicyError(what, "sts-policy-fetch-error")
-                body = await response.content.read(MAX_POLICY_OCTETS + 1)
+                body = await _read_body(response, MAX_POLICY_OCTETS + 1)
         except aiohttp.ClientConnectorCertificateError as e:
             raise PolicyError(f"{url}: certificate: {e}", "sts-webpki-invalid") from e
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
