@@ -387,12 +387,17 @@ class Receiver:
 
 async def test_tlsa_at_the_cname_expanded_mx_name(world: tuple[World, Unbound]) -> None:
     """RFC 7672 §2.2.2: the MX host name is an alias (secure CNAME); TLSA is looked up at the
-    expanded name first, and the MX authenticated by it."""
+    expanded name first, and the MX authenticated by it. RFC 7672 §8.1: the SNI name is
+    that TLSA base domain, so a server with a certificate per name sends the right one."""
     w, unbound = world
     port = shared_port([ALIAS])
     rcpt = "user@alias.dane.test"
-    async with ScriptedMx(ALIAS, port, name="mx.alias.dane.test", tls=w.context("alias")) as mx:
+    context = w.context("alias")
+    names: list[str | None] = []
+    context.sni_callback = lambda _sock, name, _ctx: names.append(name)
+    async with ScriptedMx(ALIAS, port, name="mx.alias.dane.test", tls=context) as mx:
         result = await attempt(unbound, port, rcpt)
+    assert names == ["real.alias.dane.test"]
     assert result.delivered == [rcpt] and mx.delivered[0].tls, result.replies
     note = result.replies[rcpt].tls
     assert note is not None and note.policy == "dane" and note.result == "success"

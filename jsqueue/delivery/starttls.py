@@ -91,7 +91,8 @@ async def _planned(s: OutboundSession, plan: TlsPlan, extensions: dict[str, str]
             raise NextMx(_deferral(s, note))
         s.tls_note = note
         return extensions
-    sni = None if literal_like(host) else host
+    # RFC 7672 §8.1: under DANE the SNI name is the TLSA base domain (plan.sni)
+    sni = None if literal_like(host) else (plan.sni or host)
     await check_sync(s.smtp, "STARTTLS")
     try:
         await s.smtp.starttls(

@@ -75,6 +75,9 @@ class TlsPlan:
         policy_id: MTA-STS policy id.
         policy_domain: the destination domain whose policy this is.
         prior: an RFC 8460 result type of the discovery (e.g. a failed policy fetch).
+        sni: the name to send in the TLS SNI extension when it is not the MX host name:
+            DANE's TLSA base domain, the CNAME-expanded MX host name when the TLSA RRset
+            was found there (RFC 7672 §8.1, §2.2.2); None = the MX host name.
     """
 
     label: str
@@ -86,6 +89,7 @@ class TlsPlan:
     policy_id: str | None = None
     policy_domain: str = ""
     prior: str | None = field(default=None)
+    sni: str | None = None
 
     @property
     def session_policy(self) -> TlsPolicy:
@@ -249,10 +253,14 @@ class PolicyEngine:
                     enforce=True,
                     detail=f"{len(records)} usable TLSA record(s) at _25._tcp.{base}",
                     policy_domain=domain,
+                    sni=base if base != host else None,
                 )
             elif found.state is DnssecState.SECURE and found.records:
                 why = f"TLSA at _25._tcp.{base} all unusable: encryption without authentication"
-                plans[host] = TlsPlan(DANE, required=True, detail=why, policy_domain=domain)
+                sni = base if base != host else None
+                plans[host] = TlsPlan(
+                    DANE, required=True, detail=why, policy_domain=domain, sni=sni
+                )
         return plans
 
 
