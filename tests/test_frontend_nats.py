@@ -223,3 +223,47 @@ async def test_jetstream_storage_full_is_452_4_3_1_and_nothing_acknowledged_is_l
                 assert split_body(await read_body(stores, qid))[1] == body
         finally:
             await stores.close()
+
+
+async def test_a_body_chunk_refused_for_storage_is_452_at_once(
+    tmp_path: Path, names: Names
+) -> None:
+    """A body of several object-store chunks on a nats-server out of storage: the chunk the
+    server refuses (``insufficient resources``, the reply a full disk gets too) ends the put
+    at once with ``452 4.3.1``; the refusal is not lost on the way, leaving the front end to
+    wait for an ack that never comes and answer the generic ``451 4.3.0`` when its store
+    timeout ends. Every message answered 250 before is stored whole."""
+    conf = tmp_path / "small.conf"
+    conf.write_text(
+        "listen: 127.0.0.1:4222\nmax_payload: 1MB\n"
+        "jetstream {\n  sync_interval: always\n  max_file_store: 8MB\n}\n"
+    )
+    body = b"Subject: fill\r\n\r\n" + (b"z" * 70 + b"\r\n") * 18000  # ~1.3 MB: 3 chunks
+    async with EmbeddedNats(tmp_path / "nats", port=0, config_file=conf) as srv:
+        stores = await open_jetstream(
+            make_settings(request_timeout_s=30.0, events_max_bytes=1 << 20), [srv.url], names=names
+        )
+        try:
+            async with running(
+                frontend_settings(store_timeout_s=4.0, dedupe_window_s=0), stores
+            ) as server:
+                w = await Wire.connect(server.port)
+                await w.expect("EHLO client.example.test", 250)
+                queued: list[str] = []
+                for i in range(20):
+                    r = await w.transaction(
+                        "a@example.test", [f"b{i}@dest.example.test"], dot_stuff(body), ehlo=False
+                    )
+                    if r.code != 250:
+                        break
+                    queued.append(queued_id(r))
+                assert queued, "nothing fitted at all"
+                assert (r.code, r.enhanced) == (452, "4.3.1"), r
+                await w.expect("NOOP", 250)
+                await w.expect("QUIT", 221)
+            entries = await stores.entries.page(limit=100)
+            assert sorted(v.entry.id for v in entries) == sorted(queued)
+            for qid in queued:
+                assert split_body(await read_body(stores, qid))[1] == body
+        finally:
+            await stores.close()

@@ -1,8 +1,9 @@
 """Talking to JetStream: the one API request helper, the one table of server error codes,
-publishing with retries, and the translation of nats errors into
-:class:`~jsqueue.errors.StoreUnavailable` at this boundary (``raise … from e``); every other
-module of :mod:`jsqueue.store.jetstream` goes through these (docs/architecture.md, "Storage
-on JetStream": why a failed write's outcome is unknown and how retries stay safe).
+publishing with retries, pipelined publishes whose refusals reach the caller, and the
+translation of nats errors into :class:`~jsqueue.errors.StoreUnavailable` at this boundary
+(``raise … from e``); every other module of :mod:`jsqueue.store.jetstream` goes through
+these (docs/architecture.md, "Storage on JetStream": why a failed write's outcome is
+unknown and how retries stay safe).
 """
 
 from __future__ import annotations
@@ -303,3 +304,78 @@ async def publish(
         pause = min(2 * pause, RETRY_PAUSE_MAX_S)
     log.warning("%s: giving up after %d attempts: %s", what, attempt, describe(last))
     raise unavailable(what, last) from last
+
+
+class PipelinedPublisher:
+    """Publishes to streams without waiting for each ack: :meth:`publish` writes the
+    message (in call order on the one connection) and returns a future of its
+    acknowledgement.
+
+    The client library's own ``publish_async`` loses a stream's refusal: its reply handler
+    raises the error instead of setting it on the future (which then never completes), so
+    a chunk refused for lack of storage looked like a timeout. Here a refusal completes the
+    future with the :class:`nats.js.errors.APIError` the stream answered, and no
+    responders (no stream) with :class:`nats.js.errors.NoStreamResponseError`.
+
+    Args:
+        nc: a connected client; the reply subscription is made at the first publish and
+            kept (the client resubscribes it after a reconnect).
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._pending: dict[str, asyncio.Future[api.PubAck]] = {}
+        self._count = 0
+
+    async def publish(
+        self, subject: str, payload: bytes, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[api.PubAck]:
+        """Write one message to a stream subject; the future completes with its ack.
+
+        Raises:
+            nats.errors.Error: the write itself failed (connection closed ...).
+        """
+        if not self._prefix:
+            prefix = self._nc.new_inbox()
+            await self._nc.subscribe(f"{prefix}.*", cb=self._on_reply)
+            self._prefix = prefix
+        self._count += 1
+        token = str(self._count)
+        fut: asyncio.Future[api.PubAck] = asyncio.get_running_loop().create_future()
+        self._pending[token] = fut
+        fut.add_done_callback(lambda _: self._pending.pop(token, None))
+        try:
+            await self._nc.publish(
+                subject, payload, reply=f"{self._prefix}.{token}", headers=headers
+            )
+        except BaseException:
+            fut.cancel()
+            raise
+        return fut
+
+    async def _on_reply(self, msg: Any) -> None:
+        fut = self._pending.get(msg.subject.rsplit(".", 1)[-1])
+        if fut is None or fut.done():
+            return
+        status = (msg.headers or {}).get("Status")
+        if status == "503":
+            fut.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            resp = json.loads(msg.data)
+        except ValueError:
+            fut.set_exception(nats.errors.Error(f"malformed publish ack on {msg.subject}"))
+            return
+        err = resp.get("error") if isinstance(resp, dict) else None
+        if err is not None:
+            fut.set_exception(
+                nats.js.errors.APIError(
+                    code=err.get("code"),
+                    description=err.get("description"),
+                    err_code=err.get("err_code"),
+                    stream=resp.get("stream"),
+                )
+            )
+            return
+        fut.set_result(api.PubAck.from_response(resp))

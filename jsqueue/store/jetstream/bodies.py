@@ -36,6 +36,7 @@ from jsqueue.store.jetstream.api import (
     HDR_ROLLUP,
     NATS_FAILURES,
     RETRYABLE,
+    PipelinedPublisher,
     describe,
     is_wrong_last_seq,
     translate,
@@ -88,6 +89,7 @@ class JetStreamBodyStore:
         self.bucket = names.bodies_bucket
         self.stream = names.bodies_stream
         self._nc = nc
+        self._acked = PipelinedPublisher(nc)
         self._timeout_s = timeout_s
         self._chunk_size = chunk_size
         self._nuid = NUID()
@@ -220,8 +222,8 @@ class JetStreamBodyStore:
     async def _send(
         self, subject: str, data: bytes, pending: deque[asyncio.Future[api.PubAck]]
     ) -> None:
-        # publish_async writes in call order, so the chunks are stored in order.
-        pending.append(await self.js.publish_async(subject, data))
+        # Written in call order on one connection, so the chunks are stored in order.
+        pending.append(await self._acked.publish(subject, data))
         if len(pending) >= PUT_WINDOW:
             await asyncio.wait_for(pending.popleft(), self._timeout_s)
 
