@@ -20,6 +20,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from jsqueue.dsn.report import (
+    RETURNED_HEADERS_MAX_OCTETS,
     Action,
     DsnEvent,
     action_for,
@@ -500,6 +501,26 @@ def test_ret_hdrs_without_the_empty_line_returns_no_body_text() -> None:
     assert returned.get_payload(decode=True) == b"From: a@src.example.test\r\nSubject: x\r\n"
     headless = failure_dsn(e, original=b"just text, no header\r\nsecret: body\r\n")
     assert b"secret" not in headless and parts(parse(headless))[2].get_payload() == ""
+
+
+def test_a_huge_header_section_is_returned_cut_at_a_field_boundary() -> None:
+    """RFC 3461 §4.3 leaves the amount returned to the MTA: headers only, a header section
+    of 4.5 MB (5 000 fields of 900 octets) comes back as its first fields up to
+    RETURNED_HEADERS_MAX_OCTETS, each whole with its continuation line (RFC 5322 §2.2.3),
+    so the DSN stays small enough to reach the sender (it used to return every field)."""
+    e = entry([recipient("b@rej.example.test", RecipientState.BOUNCED, CASE22_550)], ret="HDRS")
+    fields = [b"X-F%04d: " % i + b"v" * 880 + b"\r\n\tmore\r\n" for i in range(5000)]
+    original = b"From: a@src.example.test\r\n" + b"".join(fields) + b"\r\nbody\r\n"
+    data = failure_dsn(e, original=original)
+    returned = parts(parse(data))[2].get_payload(decode=True)
+    assert len(data) < 2 * RETURNED_HEADERS_MAX_OCTETS
+    assert RETURNED_HEADERS_MAX_OCTETS - 1000 < len(returned) <= RETURNED_HEADERS_MAX_OCTETS
+    assert returned.startswith(b"From: a@src.example.test\r\nX-F0000: ")
+    assert returned.endswith(b"\r\n\tmore\r\n")  # a whole field, not a cut one
+    small = b"From: a@src.example.test\r\nSubject: x\r\n\r\nbody\r\n"
+    assert parts(parse(failure_dsn(e, original=small)))[2].get_payload(decode=True) == (
+        b"From: a@src.example.test\r\nSubject: x\r\n"
+    )
 
 
 def test_ret_full_8bit_body_returned_exactly() -> None:

@@ -534,7 +534,7 @@ def _returned_part(entry: Entry, original: bytes, max_returned_size: int) -> byt
         else:
             head = b"Content-Type: message/global\r\nContent-Transfer-Encoding: 8bit\r\n"
         return head + b"\r\n" + content
-    headers = header_block(original, complete=True) or b""
+    headers = _bounded_fields(header_block(original, complete=True) or b"")
     if headers.isascii():
         head = b"Content-Type: text/rfc822-headers\r\nContent-Transfer-Encoding: 7bit\r\n"
         return head + b"\r\n" + headers
@@ -542,6 +542,28 @@ def _returned_part(entry: Entry, original: bytes, max_returned_size: int) -> byt
         b"Content-Type: text/rfc822-headers; charset=utf-8\r\nContent-Transfer-Encoding: base64\r\n"
     )
     return head + b"\r\n" + _base64_lines(headers)
+
+
+#: The most of an original's header section a headers-only return carries, octets: RFC 3461
+#: §4.3 leaves the amount to the MTA, and a section of megabytes (thousands of fields, which
+#: the front end takes within the message size) would make a DSN the sender's MX may refuse,
+#: so that the sender never learns of the failure. 100 KiB is Postfix's per-header bound and
+#: more than any real header section needs.
+RETURNED_HEADERS_MAX_OCTETS = 100 * 1024
+
+
+def _bounded_fields(headers: bytes, limit: int = RETURNED_HEADERS_MAX_OCTETS) -> bytes:
+    """``headers`` (CRLF lines) cut before the first field (with its continuation lines,
+    RFC 5322 §2.2.3) that would take it past ``limit`` octets; whole when it fits."""
+    if len(headers) <= limit:
+        return headers
+    kept, size = [], 0
+    for field_ in re.split(rb"\r\n(?=[^ \t])", headers.removesuffix(b"\r\n")):
+        size += len(field_) + 2
+        if size > limit:
+            break
+        kept.append(field_ + b"\r\n")
+    return b"".join(kept)
 
 
 def _text_part(text: str) -> bytes:
