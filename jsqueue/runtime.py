@@ -229,7 +229,6 @@ async def run_services(
                     return DashboardMount(mount, destination_rows(settings, stores))
 
             tel = await stack.enter_async_context(telemetry(settings, stores, urls, api=api))
-            owner = "-"
             if smtp:
                 server = await serve_smtp(
                     settings.front_end(), stores, tel.observer, on_reject=tel.metrics.rejected
@@ -241,7 +240,6 @@ async def run_services(
                 if w.sites is not None:
                     top = settings.destinations.metrics_sites
                     tel.metrics.registry.register(DestinationCollector(w.sites.snapshot, top))
-                owner = w.owner
                 tasks.append(asyncio.create_task(w.run(stop)))
                 tel.health.set("worker", True)
             if worker and settings.outbound_tls.report.enabled:
@@ -251,8 +249,8 @@ async def run_services(
                 reconciler = await open_reconciler(settings, urls)
                 stack.push_async_callback(reconciler.close)
                 tasks.append(asyncio.create_task(reconciler.run(stop)))
-            # The worker's name is the owner of its leases (``queue show``, ``queue flush``).
-            log.info("jsqueue running (smtp=%s, worker=%s, lease owner=%s)", smtp, worker, owner)
+            # The worker logs its lease owner name once taken (another may have it).
+            log.info("jsqueue running (smtp=%s, worker=%s)", smtp, worker)
             failure = await _supervise(tasks, stop)
             tel.health.stopping()
     except (JsqueueError, OSError) as e:

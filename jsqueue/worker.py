@@ -155,6 +155,8 @@ class Worker:
                 seconds (burst mode, for tests and one-shot runs); None = run until stopped.
         """
         await self.take_name()
+        # The name its leases carry (``queue show``, ``queue flush``), once it is taken.
+        log.info("worker running, lease owner=%s", self.owner)
         beats = asyncio.create_task(self._presence_beats())
         halt = asyncio.Event()  # slots are kept until the drain is over
         upkeep = asyncio.create_task(self.sites.run(halt)) if self.sites else None
