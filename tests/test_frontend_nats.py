@@ -181,27 +181,29 @@ def test_which_refusals_are_storage_full(err_code: int, text: str, full: bool) -
     assert is_storage_full(error) is full
 
 
-async def test_jetstream_storage_full_is_452_4_3_1_and_nothing_acknowledged_is_lost(
-    tmp_path: Path, names: Names
+async def fill_until_refused(
+    tmp_path: Path,
+    names: Names,
+    body: bytes,
+    *,
+    max_file_store: str,
+    request_timeout_s: float,
+    store_timeout_s: float,
 ) -> None:
-    """A nats-server whose JetStream storage is full (``max_file_store`` reached) refuses the
-    message that does not fit: the client gets ``452 4.3.1`` (RFC 5321 §4.2.3
-    "insufficient system storage", RFC 3463 X.3.1 "mail system full"; Postfix says the
-    same) rather than a generic local error, never a 250; the session stays usable; the
-    refused message leaves no entry; every message answered 250 before is stored whole."""
+    """Send ``body`` in one session to a nats-server with ``max_file_store`` until a
+    message is refused: it gets ``452 4.3.1``, the session stays usable, the refused
+    message leaves no entry, and every message answered 250 before is stored whole."""
     conf = tmp_path / "small.conf"
     conf.write_text(
         "listen: 127.0.0.1:4222\nmax_payload: 1MB\n"
-        "jetstream {\n  sync_interval: always\n  max_file_store: 6MB\n}\n"
+        f"jetstream {{\n  sync_interval: always\n  max_file_store: {max_file_store}\n}}\n"
     )
-    body = b"Subject: fill\r\n\r\n" + (b"y" * 70 + b"\r\n") * 4000  # ~290 KB
     async with EmbeddedNats(tmp_path / "nats", port=0, config_file=conf) as srv:
-        stores = await open_jetstream(
-            make_settings(request_timeout_s=2.0, events_max_bytes=1 << 20), [srv.url], names=names
-        )
+        settings = make_settings(request_timeout_s=request_timeout_s, events_max_bytes=1 << 20)
+        stores = await open_jetstream(settings, [srv.url], names=names)
         try:
             async with running(
-                frontend_settings(store_timeout_s=5.0, dedupe_window_s=0), stores
+                frontend_settings(store_timeout_s=store_timeout_s, dedupe_window_s=0), stores
             ) as server:
                 w = await Wire.connect(server.port)
                 await w.expect("EHLO client.example.test", 250)
@@ -225,6 +227,20 @@ async def test_jetstream_storage_full_is_452_4_3_1_and_nothing_acknowledged_is_l
             await stores.close()
 
 
+async def test_jetstream_storage_full_is_452_4_3_1_and_nothing_acknowledged_is_lost(
+    tmp_path: Path, names: Names
+) -> None:
+    """A nats-server whose JetStream storage is full (``max_file_store`` reached) refuses the
+    message that does not fit: the client gets ``452 4.3.1`` (RFC 5321 §4.2.3
+    "insufficient system storage", RFC 3463 X.3.1 "mail system full"; Postfix says the
+    same) rather than a generic local error, never a 250; the session stays usable; the
+    refused message leaves no entry; every message answered 250 before is stored whole."""
+    body = b"Subject: fill\r\n\r\n" + (b"y" * 70 + b"\r\n") * 4000  # ~290 KB
+    await fill_until_refused(
+        tmp_path, names, body, max_file_store="6MB", request_timeout_s=2.0, store_timeout_s=5.0
+    )
+
+
 async def test_a_body_chunk_refused_for_storage_is_452_at_once(
     tmp_path: Path, names: Names
 ) -> None:
@@ -233,37 +249,8 @@ async def test_a_body_chunk_refused_for_storage_is_452_at_once(
     at once with ``452 4.3.1``; the refusal is not lost on the way, leaving the front end to
     wait for an ack that never comes and answer the generic ``451 4.3.0`` when its store
     timeout ends. Every message answered 250 before is stored whole."""
-    conf = tmp_path / "small.conf"
-    conf.write_text(
-        "listen: 127.0.0.1:4222\nmax_payload: 1MB\n"
-        "jetstream {\n  sync_interval: always\n  max_file_store: 8MB\n}\n"
-    )
     body = b"Subject: fill\r\n\r\n" + (b"z" * 70 + b"\r\n") * 18000  # ~1.3 MB: 3 chunks
-    async with EmbeddedNats(tmp_path / "nats", port=0, config_file=conf) as srv:
-        stores = await open_jetstream(
-            make_settings(request_timeout_s=30.0, events_max_bytes=1 << 20), [srv.url], names=names
-        )
-        try:
-            async with running(
-                frontend_settings(store_timeout_s=4.0, dedupe_window_s=0), stores
-            ) as server:
-                w = await Wire.connect(server.port)
-                await w.expect("EHLO client.example.test", 250)
-                queued: list[str] = []
-                for i in range(20):
-                    r = await w.transaction(
-                        "a@example.test", [f"b{i}@dest.example.test"], dot_stuff(body), ehlo=False
-                    )
-                    if r.code != 250:
-                        break
-                    queued.append(queued_id(r))
-                assert queued, "nothing fitted at all"
-                assert (r.code, r.enhanced) == (452, "4.3.1"), r
-                await w.expect("NOOP", 250)
-                await w.expect("QUIT", 221)
-            entries = await stores.entries.page(limit=100)
-            assert sorted(v.entry.id for v in entries) == sorted(queued)
-            for qid in queued:
-                assert split_body(await read_body(stores, qid))[1] == body
-        finally:
-            await stores.close()
+    # A store timeout well below the request timeout: only the refusal itself ends it soon.
+    await fill_until_refused(
+        tmp_path, names, body, max_file_store="8MB", request_timeout_s=30.0, store_timeout_s=4.0
+    )
