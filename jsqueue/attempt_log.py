@@ -9,7 +9,7 @@ from datetime import datetime
 from jsqueue import state
 from jsqueue.delivery.base import Attempt
 from jsqueue.envelope import Entry, Recipient
-from jsqueue.events import EventKind, Observer, attempt_events, recipient_event
+from jsqueue.events import EventKind, Observer, attempt_events, entry_event, recipient_event
 from jsqueue.replies import Reply
 
 __all__ = ["log_attempt", "log_expired", "log_outcome"]
@@ -64,6 +64,15 @@ def log_attempt(
         dkim=delivery.dkim,
     ):
         observer.emit(event)
+
+
+def log_cut_further(
+    observer: Observer, source: str, at: datetime, entry: Entry, domain: str, detail: str
+) -> None:
+    """Say that an attempt on ``domain`` was recorded with its replies cut further (the
+    entry store refused them for their size): a warning and a ``too_large`` event."""
+    log.warning("queue %s: entry too large; %s", entry.id, detail)
+    observer.emit(entry_event(EventKind.TOO_LARGE, entry, source=source, at=at, detail=detail))
 
 
 def log_expired(

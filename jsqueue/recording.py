@@ -18,18 +18,42 @@ settled). Two faults of a plain compare-and-set loop are ruled out here:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
 from jsqueue import state
 from jsqueue.delivery.base import Attempt
+from jsqueue.delivery.body import aclose
 from jsqueue.envelope import Entry
 from jsqueue.errors import LeaseLost, RevisionConflict, StoreUnavailable
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout
 from jsqueue.store.base import Stores, Versioned
+
+
+def fenced(
+    open_: Callable[[], AsyncIterator[bytes]], check: Callable[[], None]
+) -> Callable[[], AsyncIterator[bytes]]:
+    """The body streams of ``open_``, each calling ``check()`` once it has yielded its last
+    chunk: the SMTP session writes the final dot only after the stream ends, so an
+    exception from ``check`` abandons the transaction before its dot, and the next hop
+    delivers nothing (RFC 5321 §4.1.1.4; the session answers the recipients 451). Made for
+    the lease: a worker that was paused (SIGSTOP, a VM or GC pause) past its lease or its
+    presence grace wakes mid-DATA while another worker may be delivering the same message.
+    """
+
+    async def stream() -> AsyncIterator[bytes]:
+        chunks = open_()
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await aclose(chunks)
+        check()
+
+    return stream
 
 
 class Outcome(NamedTuple):

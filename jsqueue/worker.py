@@ -22,7 +22,7 @@ from functools import partial
 from typing import Protocol
 
 from jsqueue import state
-from jsqueue.attempt_log import log_attempt, log_expired
+from jsqueue.attempt_log import log_attempt, log_cut_further, log_expired
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
 from jsqueue.destinations import Destinations, Gate, put_back
@@ -35,7 +35,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event
-from jsqueue.recording import AttemptRecord
+from jsqueue.recording import AttemptRecord, fenced
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
@@ -128,6 +128,8 @@ class Worker:
         self.owner = owner or settings.lease_owner or socket.gethostname()
         #: this process's id in the presence bucket (tells a restart from a live namesake)
         self.instance = uuid.uuid4().hex
+        #: until when its presence mark certainly stands (None without a presence store)
+        self._liveness: presence.Liveness | None = None
         #: (queue id, domain) this process is claiming or delivering: its in-flight set
         self._busy: set[tuple[str, str]] = set()
         #: the entries tasks of this process work on: their writes take turns (cas.Turns)
@@ -212,15 +214,19 @@ class Worker:
         """
         if self.stores.presence is not None:
             grace_s = self.settings.presence_grace_s
+            self._liveness = presence.Liveness(grace_s)
             self.owner = await presence.take_name(
-                self.stores.presence, self.owner, self.instance, grace_s
+                self.stores.presence, self.owner, self.instance, grace_s, self._liveness
             )
 
     async def _presence_beats(self) -> None:
         """Keep our presence alive (every ``presence_grace_s / 3`` seconds)."""
         if self.stores.presence is not None:
             grace_s = self.settings.presence_grace_s
-            await presence.keep_alive(self.stores.presence, self.owner, self.instance, grace_s)
+            assert self._liveness is not None
+            await presence.keep_alive(
+                self.stores.presence, self.owner, self.instance, grace_s, self._liveness
+            )
 
     async def _dead(self, owner: str) -> bool:
         """Whether lease owner ``owner`` is not present (one read; False without a presence
@@ -429,7 +435,8 @@ class Worker:
         started = self.clock()
         held = _Held(claimed)
         heartbeat = asyncio.create_task(self._heartbeat(due, held, turn))
-        body = BodySource(open=layout.delivery_body(self.stores, entry), size=entry.size)
+        fence = partial(self._still_held, item.domain, held, turn)
+        body = BodySource(fenced(layout.delivery_body(self.stores, entry), fence), entry.size)
         try:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
         finally:
@@ -489,7 +496,9 @@ class Worker:
                 self._log_unrecorded(held.version.entry, item.domain, delivery, started, True)
                 return
             if step and outcome is not None:
-                self._cut_further(outcome.version.entry, item.domain, octets, refused)
+                detail = f"{item.domain}: replies recorded cut to {octets} octets ({refused})"
+                v, at = outcome.version, self.clock()
+                log_cut_further(self.observer, self._source, at, v.entry, item.domain, detail)
             break
         else:
             # Not even the recipients' states fit: log what the attempt did, hold.
@@ -534,19 +543,20 @@ class Worker:
         )
         log_attempt(o, self._source, entry, domain, done, started, now, delivery, events=events)
 
-    def _cut_further(self, entry: Entry, domain: str, octets: int, error: EntryTooLarge) -> None:
-        """Say that an attempt was recorded with its replies cut to ``octets`` octets."""
-        detail = f"{domain}: replies recorded cut to {octets} octets ({error})"
-        log.warning("queue %s: entry too large; %s", entry.id, detail)
-        self.observer.emit(
-            entry_event(
-                EventKind.TOO_LARGE,
-                entry,
-                source=f"worker:{self.owner}",
-                at=self.clock(),
-                detail=detail,
-            )
-        )
+    def _still_held(self, domain: str, held: _Held, turn: cas.Turn) -> None:
+        """Before the final dot (:func:`~jsqueue.recording.fenced`): this process's lease
+        on ``domain`` has not run out by its clock, and its presence mark certainly stands,
+        so no other worker can have taken the destination over (DESIGN.md §2.3).
+
+        Raises:
+            LeaseLost: either may have lapsed (the process was paused): no dot is sent.
+        """
+        entry, now = turn.latest(held.version).entry, self.clock()
+        if state.lease_left_s(entry, domain, self.owner, now, instance=self.instance) <= 0:
+            raise LeaseLost(f"{domain}: the lease ran out before the final dot (a pause?)")
+        alive = self._liveness
+        if alive is not None and not alive.stands(asyncio.get_running_loop().time()):
+            raise LeaseLost(f"{domain}: the presence may have lapsed before the final dot")
 
     async def _hold(self, due: Due, start: Versioned | str, error: EntryTooLarge) -> None:
         """The entry store refuses what this worker has to write for its size: hold the

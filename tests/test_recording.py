@@ -145,3 +145,48 @@ async def test_a_lease_taken_over_during_delivery_is_left_to_its_holder(
     (r,) = e.recipients
     assert (r.state, r.attempts) == (RecipientState.ACTIVE, 0)
     assert len(mx.delivered) == 1
+
+
+@pytest.mark.parametrize("lapse", ["lease", "presence"])
+async def test_a_worker_paused_past_its_lease_sends_no_final_dot(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture, lapse: str
+) -> None:
+    """DESIGN.md §2.3, RFC 5321 §4.1.1.4: a worker paused mid-transaction (SIGSTOP, a VM
+    pause) wakes past its lease, or past its presence grace, while another worker may have
+    taken the destination over and be sending the message. It does not send the final dot:
+    the next hop delivers nothing, and the recipient is deferred with a 451. (It used to
+    finish the transaction, a second copy beside the other worker's.) The pause is played
+    at the MX's DATA: the worker's clock jumps past the lease, or its presence is made to
+    look lapsed."""
+    caplog.set_level(logging.INFO, logger="jsqueue")
+    h = queue_harness
+    h.configure(retry={"base_s": 600.0})
+    domain = "paused.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.64"))
+    skew = [timedelta(0)]
+    w: Worker = h.worker(clock=lambda: utcnow() + skew[0])
+
+    def pause(session: object, line: str) -> None:
+        if line.upper().startswith("DATA"):
+            if lapse == "lease":
+                skew[0] = timedelta(seconds=h.settings.worker.lease_s + 1)
+            else:
+                assert w._liveness is not None
+                w._liveness.until = 0.0
+
+    async with ScriptedMx("127.0.2.64", h.mx_port, hook=pause) as mx:
+        qid = await h.submit(b"Subject: paused\r\n\r\nbody\r\n", [f"u@{domain}"])
+        async with h.running(w):
+            await eventually(lambda: "before the final dot" in caplog.text, what="the dot withheld")
+
+            async def deferred() -> bool:
+                e = await h.entry(qid)
+                return e is not None and e.recipients[0].attempts == 1
+
+            await eventually(deferred, what="the deferral recorded")
+    assert mx.transactions == []  # no end of data reached the MX
+    e = await h.entry(qid)
+    assert e is not None
+    (r,) = e.recipients
+    assert r.state is RecipientState.DEFERRED
+    assert r.last_reply is not None and r.last_reply.code == 451

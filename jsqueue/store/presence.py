@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 
 from jsqueue.errors import StoreUnavailable
 from jsqueue.store.base import Presence
@@ -15,8 +16,31 @@ from jsqueue.store.base import Presence
 log = logging.getLogger("jsqueue.worker")
 
 
-async def take_name(presence: Presence, owner: str, instance: str, grace_s: float) -> str:
-    """Register ``owner`` for process ``instance``; return the name actually taken.
+@dataclass(slots=True)
+class Liveness:
+    """Until when this process's presence mark certainly stands, in the event loop's
+    monotonic seconds: a mark lasts ``grace_s`` from its write, which the server makes
+    after the request was sent, so a beat sent at ``t`` that succeeded stands until at
+    least ``t + grace_s``. After that, other workers may find this one absent and take its
+    running leases over (DESIGN.md §2.3)."""
+
+    grace_s: float
+    until: float = 0.0
+
+    def beat_sent(self, at: float) -> None:
+        """A beat sent at ``at`` (monotonic seconds) succeeded."""
+        self.until = max(self.until, at + self.grace_s)
+
+    def stands(self, now: float) -> bool:
+        """Whether the mark certainly stands at ``now`` (monotonic seconds)."""
+        return now < self.until
+
+
+async def take_name(
+    presence: Presence, owner: str, instance: str, grace_s: float, liveness: Liveness
+) -> str:
+    """Register ``owner`` for process ``instance``; return the name actually taken. The
+    beat that registers it is noted in ``liveness``.
 
     A mark of ``owner`` written by another process is watched for up to ``grace_s`` (+1)
     seconds: when it expires, that process is dead (a restart after a crash) and the name,
@@ -39,7 +63,7 @@ async def take_name(presence: Presence, owner: str, instance: str, grace_s: floa
         elif now_mark.revision != mark.revision:
             live = True
             break
-    name = owner
+    name, sent = owner, loop.time()
     if live or not await presence.beat(owner, instance, grace_s, first=True):
         name = f"{owner}-{uuid.uuid4().hex[:8]}"
         log.warning(
@@ -48,17 +72,25 @@ async def take_name(presence: Presence, owner: str, instance: str, grace_s: floa
             owner,
             name,
         )
+        sent = loop.time()
         await presence.beat(name, instance, grace_s)
+    liveness.beat_sent(sent)
     log.info("lease owner %s present (grace %.0f s)", name, grace_s)
     return name
 
 
-async def keep_alive(presence: Presence, owner: str, instance: str, grace_s: float) -> None:
-    """Re-write ``owner``'s mark every ``grace_s / 3`` seconds until cancelled; a failed
-    beat is logged and tried again at the next."""
+async def keep_alive(
+    presence: Presence, owner: str, instance: str, grace_s: float, liveness: Liveness
+) -> None:
+    """Re-write ``owner``'s mark every ``grace_s / 3`` seconds until cancelled, noting each
+    that succeeds in ``liveness``; a failed beat is logged and tried again at the next."""
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(grace_s / 3)
+        sent = loop.time()
         try:
             await presence.beat(owner, instance, grace_s)
         except StoreUnavailable as e:
             log.warning("presence heartbeat failed: %s", e)
+        else:
+            liveness.beat_sent(sent)
