@@ -42,6 +42,12 @@ def fenced(
     delivers nothing (RFC 5321 §4.1.1.4; the session answers the recipients 451). Made for
     the lease: a worker that was paused (SIGSTOP, a VM or GC pause) past its lease or its
     presence grace wakes mid-DATA while another worker may be delivering the same message.
+    The check also runs after a whole read made before DATA (a DKIM signing or 7-bit
+    conversion pass), where a raise abandons the transaction earlier still.
+
+    Raises:
+        Exception: from the stream, whatever ``check`` raises (the worker's
+            :class:`~jsqueue.errors.LeaseLost`), and whatever ``open_``'s stream raises.
     """
 
     async def stream() -> AsyncIterator[bytes]:
