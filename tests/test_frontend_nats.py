@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from email.message import EmailMessage
 from pathlib import Path
 
@@ -16,10 +17,12 @@ import aiosmtplib
 import nats.js.errors
 import pytest
 
+from jsqueue.envelope import WorkItem
+from jsqueue.errors import StoreFull
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.base import Stores
-from jsqueue.store.jetstream import open_jetstream
+from jsqueue.store.jetstream import connect_nats, open_jetstream
 from jsqueue.store.jetstream.api import is_storage_full
 from support.frontend import (
     Wire,
@@ -29,7 +32,7 @@ from support.frontend import (
     running,
     split_body,
 )
-from support.nats import make_settings, read_body
+from support.nats import make_entry, make_settings, read_body
 
 MESSAGE = (
     b"From: alice@example.test\r\nTo: bob@dest.example.test\r\nSubject: js\r\n\r\n.dot\r\nbody\r\n"
@@ -254,3 +257,36 @@ async def test_a_body_chunk_refused_for_storage_is_452_at_once(
     await fill_until_refused(
         tmp_path, names, body, max_file_store="8MB", request_timeout_s=30.0, store_timeout_s=4.0
     )
+
+
+async def test_writes_refused_for_storage_are_not_retried(
+    tmp_path: Path, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-server answers a publish over its JetStream limit ``503 insufficient
+    resources`` (10023), the code its retryable unavailability has too. An entry or work
+    item write refused so fails at its first try with :class:`StoreFull` (the front end's
+    ``452 4.3.1``, RFC 5321 §4.2.3); it used to be retried for three request timeouts, so
+    the session waited out its store timeout and got ``451 4.3.0`` instead."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("listen: 127.0.0.1:4222\njetstream {\n  max_file_store: 8MB\n}\n")
+    async with EmbeddedNats(tmp_path / "nats", port=0, config_file=conf) as srv:
+        settings = make_settings(request_timeout_s=5.0, events_max_bytes=1 << 20)
+        stores = await open_jetstream(settings, [srv.url], names=names)
+        nc = await connect_nats(make_settings(), [srv.url])
+        try:
+            js = nc.jetstream()
+            await js.add_stream(name="FILLER", subjects=["filler.>"])
+            with pytest.raises(nats.js.errors.APIError) as refused:
+                for i in range(100):
+                    await js.publish(f"filler.{i}", b"f" * 100_000)
+            assert is_storage_full(refused.value) and refused.value.code == 503
+            caplog.set_level(logging.DEBUG, logger="jsqueue.store.jetstream")
+            entry = make_entry(domain="dest.example.test")
+            with pytest.raises(StoreFull):
+                await stores.entries.create(entry)
+            with pytest.raises(StoreFull):
+                await stores.scheduler.schedule(WorkItem(entry.id, "dest.example.test"))
+            assert not [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+        finally:
+            await nc.close()
+            await stores.close()

@@ -168,10 +168,15 @@ def is_wrong_last_seq(e: BaseException) -> bool:
 
 
 def is_temporary(e: BaseException) -> bool:
-    """A failure worth retrying with the same message id: timeout, no responder, 503."""
+    """A failure worth retrying with the same message id: timeout, no responder, a 503.
+
+    A 503 for storage (:func:`is_storage_full`: nats-server answers a publish over its
+    JetStream limits ``503 insufficient resources``) is not: seconds of retries do not
+    free a disk, and the front end's ``452 4.3.1`` (RFC 5321 §4.2.3) is due at once. Pure.
+    """
     if isinstance(e, RETRYABLE):
         return True
-    return isinstance(e, nats.js.errors.APIError) and e.code == 503
+    return isinstance(e, nats.js.errors.APIError) and e.code == 503 and not is_storage_full(e)
 
 
 async def api_request(nc: NATS, request: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
@@ -274,7 +279,8 @@ async def publish(
         the stream's acknowledgement (stream, sequence).
 
     Raises:
-        nats.js.errors.APIError: the stream refused the message (not a temporary failure).
+        nats.js.errors.APIError: the stream refused the message (not a temporary failure;
+            a refusal for storage is raised at its first try, :func:`is_temporary`).
         StoreUnavailable: every attempt timed out or found no stream leader, or the
             connection failed.
         unavailable: the StoreUnavailable above, as built by
