@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 
 from jsqueue import limits
 from jsqueue.config import DestinationSettings
+from jsqueue.config.destinations import check_site
 from jsqueue.errors import InvalidName
 from jsqueue.limits import SiteState
 from jsqueue.names import site_key, site_of_key
@@ -115,9 +116,14 @@ async def show_destination(
     """One site in full: slots by holder, limit, status, rates, queued count. A site the
     cluster holds nothing for is shown up with no sessions. Read-only.
 
+    Args:
+        site: a domain or a site group's name, any case (:func:`~jsqueue.names.check_site`).
+
     Raises:
+        InvalidName: ``site`` names no site (a wildcard, white space ...).
         StoreUnavailable: NATS unreachable or a request failed.
     """
+    site = check_site(site)
     now = time.time() if now_s is None else now_s
     keys = [k for k in await store.keys("slot.") if site_of_key(k) == ("slot", site)]
     return await _view(store, settings, site, keys, queued=True, holders=True, now_s=now)

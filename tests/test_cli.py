@@ -203,6 +203,7 @@ async def test_usage_errors_exit_2(nats_server: EmbeddedNats, names: Names) -> N
         (["queue", "show", "not-a-queue-id"], "invalid queue id"),
         (["queue", "ls", "--min-age", "2 hours"], "invalid duration"),
         (["queue", "flush", "--domain", "bad domain!"], "domain"),
+        (["dest", "show", "*"], "invalid site '*'"),  # a wildcard names no site
     ]
     for args, message in cases:
         run = await jsqueue(*args, env=env)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from test_cli import cli_env, jsqueue
 
 from jsqueue.config import (
+    DestinationSettings,
     DsnSettings,
     HttpSettings,
     NatsSettings,
@@ -192,6 +193,12 @@ INVALID = [
         None,
         r"smtp\.postmaster: .*no spaces",
         id="postmaster-space",
+    ),
+    pytest.param(
+        {},
+        '[destinations.groups]\n"google mail" = ["*.google.com"]\n',
+        r"destinations\.groups: .*invalid site 'google mail'",
+        id="group-name",
     ),
     pytest.param({"JSQUEUE_CONFIG": "/nonexistent/j.toml"}, None, r"not found", id="no-file"),
     pytest.param(
@@ -384,6 +391,23 @@ def test_the_dedupe_window_is_no_longer_than_the_delete_marker_lives() -> None:
     assert SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S).dedupe_window_s == 900
     with pytest.raises(ValidationError, match="dedupe_window_s"):
         SmtpSettings(dedupe_window_s=DEDUPE_WINDOW_MAX_S + 1)
+
+
+def test_per_site_settings_and_groups_are_keyed_in_lower_case() -> None:
+    """Sites are kept under lower-case names (domains are, and ``dest show`` and the HTTP
+    API fold case), so a per-site setting written ``Example.TEST`` applies to
+    ``example.test`` and a group ``Google`` is the site ``google``; two keys that differ
+    only in case are refused, as one of them would be lost."""
+    d = DestinationSettings(
+        site_sessions={"Example.TEST": 3},
+        site_message_rates={"[IPv6:2001:DB8::1]": "5/s"},
+        groups={"Google": ["*.google.com"]},
+    )
+    assert d.sessions_of("example.test") == 3
+    assert d.message_rate_of("[IPv6:2001:db8::1]") == (5, 1.0)
+    assert list(d.groups) == ["google"]
+    with pytest.raises(ValidationError, match="differ only in case"):
+        DestinationSettings(site_sessions={"a.test": 2, "A.test": 3})
 
 
 def test_own_names_may_end_in_a_dot() -> None:

@@ -14,6 +14,8 @@ import typer
 from pydantic import BaseModel
 
 from jsqueue.config import Settings
+from jsqueue.config.destinations import check_site
+from jsqueue.errors import InvalidName
 from jsqueue.views import DestinationView
 
 __all__ = ["register", "render_destination", "render_destinations"]
@@ -28,6 +30,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="JSON, one object per l
 QueuedOption = Annotated[
     bool, typer.Option("--queued/--no-queued", help="Count each site's queue.")
 ]
+
 SiteArgument = Annotated[str, typer.Argument(help="Site: a domain, or a group's name.")]
 
 
@@ -108,7 +111,16 @@ def register(
         site: SiteArgument,
         as_json: JsonOption = False,
     ) -> None:
-        """Show one site: slots by worker, limit, status and cool-off, rates, queued."""
+        """Show one site: slots by worker, limit, status and cool-off, rates, queued.
+
+        Raises:
+            Exit: code 2 when SITE names no site (a wildcard, white space ...).
+        """
+        try:
+            name = check_site(site)
+        except InvalidName as e:  # a usage error: one line, exit 2, nothing read
+            typer.echo(f"jsqueue: {e}", err=True)
+            raise typer.Exit(2) from e
         loaded = settings()
 
         async def main(stop: asyncio.Event) -> None:
@@ -119,7 +131,7 @@ def register(
                 store = adm.stores.destinations
                 if store is None:
                     raise typer.Exit(1)
-                view = await show_destination(store, loaded.destinations, site.lower())
+                view = await show_destination(store, loaded.destinations, name)
             if as_json:
                 echo_json(view)
             else:

@@ -5,13 +5,42 @@ feedback; site groups by MX host pattern; per-site overrides."""
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from pydantic import Field, field_validator
 
 from jsqueue.config.base import _Section
+from jsqueue.errors import InvalidName
 
-__all__ = ["DestinationSettings", "Rate", "parse_rate"]
+__all__ = ["SITE_PATTERN", "DestinationSettings", "Rate", "check_site", "parse_rate"]
+
+_V = TypeVar("_V")
+
+#: A site's name (:mod:`jsqueue.limits`): a destination domain (A-label), an address
+#: literal (RFC 5321 §4.1.3, ``[192.0.2.1]``, ``[IPv6:2001:db8::1]``) or a site group's name,
+#: as it appears in paths and on the command line (case-insensitive).
+SITE_PATTERN = r"^(?:[A-Za-z0-9_.-]{1,253}|\[(?:[0-9.]{7,15}|[Ii][Pp][Vv]6:[0-9A-Fa-f:.]{2,45})\])$"
+_SITE_RE = re.compile(SITE_PATTERN)
+
+
+def check_site(site: str) -> str:
+    """Return the site name in the lower-case form sites are kept under. Pure.
+
+    Raises:
+        InvalidName: empty, longer than 253, or a character other than letters, digits,
+            ``.``, ``-`` and ``_`` outside an address literal (a wildcard such as ``*``
+            names no site).
+    """
+    if not isinstance(site, str) or not _SITE_RE.match(site):
+        raise InvalidName(
+            f"invalid site {site!r}: a domain or a site group's name "
+            "(letters, digits, '.', '-', '_')"
+        )
+    if not site.startswith("["):
+        return site.lower()
+    inner = site[1:-1]
+    return f"[IPv6:{inner[5:].lower()}]" if inner[:5].lower() == "ipv6:" else site
+
 
 _RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d*)\s*(s|m|h)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -141,6 +170,23 @@ class DestinationSettings(_Section):
             if n < 1:
                 raise ValueError(f"site {site}: sessions must be at least 1")
         return value
+
+    @field_validator(
+        "site_sessions", "site_message_rates", "site_connection_rates", "groups", mode="after"
+    )
+    @classmethod
+    def _site_names(cls, value: dict[str, _V]) -> dict[str, _V]:
+        """Key every per-site setting and group by its site's name in lower case, the form
+        sites are kept and looked up under (``dest show`` and the HTTP API take any case).
+
+        Raises:
+            ValueError: a key that names no site (:func:`jsqueue.names.check_site`), or two
+                keys that differ only in case.
+        """
+        names = {check_site(site): v for site, v in value.items()}
+        if len(names) != len(value):
+            raise ValueError("two sites differ only in case")
+        return names
 
     def sessions_of(self, site: str) -> int:
         """The session limit of ``site``."""

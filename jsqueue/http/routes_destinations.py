@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from jsqueue.config.destinations import SITE_PATTERN
 from jsqueue.destinations_admin import list_destinations, show_destination
 from jsqueue.errors import EntryNotFound
 from jsqueue.http.auth import Role
@@ -16,9 +17,6 @@ from jsqueue.http.models import DestinationsQuery
 from jsqueue.http.routing import Call, Route
 from jsqueue.store.base import DestinationStore
 from jsqueue.views import DestinationList, DestinationView
-
-#: A site name in a path: a destination domain (A-label) or a site group's name.
-SITE_PATTERN = r"^[A-Za-z0-9_.-]{1,253}$"
 
 
 def destination_routes(ctx: ApiContext) -> list[Route]:
