@@ -171,12 +171,16 @@ R250_QUEUED = _r(250, "2.0.0", "queued as")  # the queue id follows the text
 R235_AUTH_OK = _r(235, "2.7.0", "Authentication successful")
 R421_TIMEOUT = _r(421, "4.4.2", "Idle timeout exceeded, closing connection")
 R421_LOCAL_ERROR = _r(421, "4.3.0", "Local error in processing, closing connection")
+R421_DATA_TOO_SOON = _r(
+    421, "4.5.0", "Message sent before the DATA reply, closing connection (RFC 2920 3.1)"
+)
 R500_DATA_LINE_TOO_LONG = _r(500, "5.5.2", "Message has a line longer than 998 octets")
 R554_TOO_MANY_HOPS = _r(554, "5.4.6", "Too many Received: header fields: mail loop")
 R550_NO_POSTMASTER = _r(550, "5.1.1", "No postmaster mailbox here (smtp.postmaster is not set)")
 R502_NOT_IMPLEMENTED = _r(502, "5.5.1", "Command not implemented")
 R503_ALREADY_AUTHENTICATED = _r(503, "5.5.1", "Already authenticated")
 R503_TLS_ACTIVE = _r(503, "5.5.1", "TLS already active")
+R503_NEED_HELO = _r(503, "5.5.1", "Send EHLO or HELO first")
 R503_NEED_MAIL = _r(503, "5.5.1", "Need MAIL command first")
 R503_NEED_RCPT = _r(503, "5.5.1", "Need RCPT command first")
 R503_NESTED_MAIL = _r(503, "5.5.1", "Sender already given")

@@ -13,6 +13,7 @@ import ipaddress
 import re
 from datetime import datetime
 from email.utils import format_datetime
+from typing import Any
 
 from jsqueue.envelope import routing_domain
 from jsqueue.errors import InvalidName
@@ -28,6 +29,14 @@ def _sanitize_comment(text: str) -> str:
 #: Characters of an EHLO argument not kept in the entry: controls, DEL, C1 controls, and
 #: the lone surrogates that stand for octets that are not UTF-8.
 _HELO_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def tls_description(ssl_info: dict[str, Any] | None) -> str | None:
+    """The TLS part of the ``Received:`` field (``<protocol> <cipher>``, RFC 3848 §4) from a
+    TLS session's aiosmtpd ``ssl`` info (its ``cipher`` is Python's ``SSLSocket.cipher()``
+    triple); None without TLS or cipher. Pure."""
+    cipher = ssl_info.get("cipher") if ssl_info else None
+    return f"{cipher[1]} {cipher[0]}" if cipher else None
 
 
 def stored_helo(helo: str) -> str:

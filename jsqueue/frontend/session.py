@@ -26,7 +26,12 @@ from aiosmtpd.smtp import SMTP, syntax
 from jsqueue.envelope import Recipient, utcnow
 from jsqueue.frontend.data import DataDecoder
 from jsqueue.frontend.ingest import NotQueued, Submission
-from jsqueue.frontend.received import protocol_keyword, received_header, stored_helo
+from jsqueue.frontend.received import (
+    protocol_keyword,
+    received_header,
+    stored_helo,
+    tls_description,
+)
 from jsqueue.frontend.syntax import (
     SyntaxProblem,
     parse_envid,
@@ -38,7 +43,13 @@ from jsqueue.frontend.syntax import (
     parse_size,
     require_utf8_allowed,
 )
-from jsqueue.frontend.transaction import CommandReader, ExceptionHook, Transaction, client_ip
+from jsqueue.frontend.transaction import (
+    CommandReader,
+    ExceptionHook,
+    Transaction,
+    client_ip,
+    data_refusal,
+)
 from jsqueue.frontend.wire import (
     as_closing,
     commands_in,
@@ -54,6 +65,7 @@ from jsqueue.replies import (
     R250_RECIPIENT_OK,
     R250_SENDER_OK,
     R354_START_INPUT,
+    R421_DATA_TOO_SOON,
     R421_LOCAL_ERROR,
     R421_SHUTTING_DOWN,
     R421_TIMEOUT,
@@ -66,7 +78,6 @@ from jsqueue.replies import (
     R503_ALREADY_AUTHENTICATED,
     R503_BAD_SEQUENCE,
     R503_NEED_MAIL,
-    R503_NEED_RCPT,
     R503_NESTED_MAIL,
     R503_TLS_ACTIVE,
     R504_AUTH_MECHANISM,
@@ -180,9 +191,7 @@ class InboundSession(SMTP):
     def _timeout_cb(self) -> None:
         log.info("%r idle timeout", self.session.peer if self.session else None)
         if self.transport is not None and not self.transport.is_closing():
-            self._log_rejection(str(R421_TIMEOUT))
-            self._writer.write(f"{R421_TIMEOUT}\r\n".encode())
-            self._close()
+            self._close_with(R421_TIMEOUT)
 
     def _create_envelope(self) -> Transaction:
         return Transaction()
@@ -190,6 +199,12 @@ class InboundSession(SMTP):
     def _close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def _close_with(self, reply: Reply) -> None:
+        """Send ``reply`` (a 421, RFC 5321 §3.8) and close, without yielding to the loop."""
+        self._log_rejection(str(reply))
+        self._writer.write(f"{reply}\r\n".encode())
+        self._close()
 
     def _transaction(self) -> Transaction:
         # A method, not a property: aiosmtpd's __init__ evaluates every attribute
@@ -293,14 +308,6 @@ class InboundSession(SMTP):
             return True
         ip = self._ip
         return ip is not None and any(ip in net for net in self._settings.relay_networks)
-
-    def _tls_description(self) -> str | None:
-        if not self._tls_active or self.session is None or not self.session.ssl:
-            return None
-        cipher = self.session.ssl.get("cipher")
-        if not cipher:
-            return None
-        return f"{cipher[1]} {cipher[0]}"
 
     # -- commands -----------------------------------------------------------------------
 
@@ -565,18 +572,15 @@ class InboundSession(SMTP):
     @syntax("DATA")
     async def smtp_DATA(self, arg: str | None) -> None:
         """RFC 5321 §4.1.1.4: receive, store, then exactly one reply; pipelined commands
-        after the terminator are executed next (RFC 2920 §3.1)."""
-        if await self.check_helo_needed():
-            return
+        after the terminator are executed next (RFC 2920 §3.1). A refused DATA with input
+        already behind it: that input is the message (never commands), so it gets 421."""
         txn = self._transaction()
-        if txn.reverse_path is None:
-            await self._reply(R503_NEED_MAIL)
-            return
-        if not txn.recipients:
-            await self._reply(R503_NEED_RCPT)
-            return
-        if arg:
-            await self._reply(R501_BAD_PARAMETER, "Syntax: DATA")
+        helo = bool(self.session and self.session.host_name)
+        if (refusal := data_refusal(txn, arg, helo=helo)) is not None:
+            await self._reply(refusal)
+            if self._reader._buffer:  # type: ignore[attr-defined]  # sent before the reply
+                self._close_with(R421_DATA_TOO_SOON)  # before a yield: nothing more is read
+                self._reader._buffer.clear()  # type: ignore[attr-defined]
             return
         self._busy = True
         reply: str | None = None
@@ -633,7 +637,7 @@ class InboundSession(SMTP):
             ),
             queue_id=queue_id,
             recipient=txn.recipients[0].address if len(txn.recipients) == 1 else None,
-            tls=self._tls_description(),
+            tls=tls_description(self.session.ssl if self._tls_active and self.session else None),
             when=utcnow(),
         )
         try:

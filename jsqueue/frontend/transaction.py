@@ -1,5 +1,6 @@
 """The state a front-end session keeps per mail transaction (:class:`Transaction`, RFC
-5321 §3.3), the client's address from its peer name (:func:`client_ip`), the aiosmtpd
+5321 §3.3) and what refuses its DATA (:func:`data_refusal`), the client's address from its
+peer name (:func:`client_ip`), the aiosmtpd
 handler that turns an unexpected error in a command into a ``451`` (:class:`ExceptionHook`),
 and the stream reader that ends the command loop at the client's end of input
 (:class:`CommandReader`).
@@ -15,7 +16,14 @@ from typing import Any, Literal
 from aiosmtpd.smtp import Envelope
 
 from jsqueue.envelope import Recipient
-from jsqueue.replies import R451_LOCAL_ERROR
+from jsqueue.replies import (
+    R451_LOCAL_ERROR,
+    R501_BAD_PARAMETER,
+    R503_NEED_HELO,
+    R503_NEED_MAIL,
+    R503_NEED_RCPT,
+    Reply,
+)
 
 log = logging.getLogger("jsqueue.frontend.session")  # the session's name, as before the split
 
@@ -31,6 +39,22 @@ class Transaction(Envelope):
         self.smtputf8 = False
         self.ret: Literal["FULL", "HDRS"] | None = None
         self.envid: str | None = None
+
+
+def data_refusal(txn: Transaction, arg: str | None, *, helo: bool) -> Reply | None:
+    """The reply that refuses ``DATA`` (its argument ``arg``) in transaction ``txn`` of a
+    session that sent EHLO/HELO (``helo``) or not, or None when DATA may go on to 354: no
+    EHLO/HELO or no MAIL (``503 5.5.1``, RFC 5321 §4.1.4), no accepted RCPT (``503 5.5.1``;
+    §3.3 allows 503 or 554), an argument (``501 5.5.4``, §4.1.1.4). Pure."""
+    if not helo:
+        return R503_NEED_HELO
+    if txn.reverse_path is None:
+        return R503_NEED_MAIL
+    if not txn.recipients:
+        return R503_NEED_RCPT
+    if arg:
+        return R501_BAD_PARAMETER.model_copy(update={"text": "Syntax: DATA"})
+    return None
 
 
 class ExceptionHook:
