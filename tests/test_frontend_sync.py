@@ -1,5 +1,6 @@
-"""The SMTP front end against clients that get out of step with it, over real sockets on
-loopback: input sent before the reply it depends on (RFC 5321 §4.3.1, RFC 2920 §3.1).
+"""The SMTP front end against broken and hostile clients, over real sockets on loopback:
+input sent before the reply it depends on (RFC 5321 §4.3.1, RFC 2920 §3.1), and the
+open-relay classics (RFC 5321 §3.6.2, §4.1.1.3: source routes, ``%``, ``!``, quoted ``@``).
 
 Each test names the RFC section it checks.
 """
@@ -10,8 +11,16 @@ import pytest
 
 from jsqueue.store.base import Stores
 from jsqueue.store.memory import open_memory
-from support.frontend import Wire, entries_of, frontend_settings, running
+from support.frontend import (
+    Wire,
+    dot_stuff,
+    entries_of,
+    frontend_settings,
+    queued_id,
+    running,
+)
 
+MESSAGE = b"From: a@example.test\r\nTo: b@dest.example.test\r\nSubject: hi\r\n\r\nHello.\r\n"
 #: A message whose text is a whole mail transaction: what a sender controls when the MTA in
 #: front of us relays its message and sends the body without waiting for the DATA reply.
 SMUGGLED = (
@@ -96,3 +105,60 @@ async def test_message_sent_before_an_accepted_data_is_the_message(mem: Stores) 
         assert (await w.reply()).code == 221
     [entry] = await entries_of(mem)
     assert [r.address for r in entry.recipients] == ["b@dest.example.test"]
+
+
+#: Forward-paths that name another host in the local part or a route: a relay may only
+#: route by the domain after the last ``@`` (RFC 5321 §3.6.2, §4.1.1.3: a source route is
+#: ignored), so each is a recipient at ``dest.example.test`` or nothing.
+RELAY_CLASSICS = [
+    "<u%other.test@dest.example.test>",
+    "<other.test!u@dest.example.test>",
+    '<"u@other.test"@dest.example.test>',
+    "<@other.test:u@dest.example.test>",
+    "<@other.test,@more.test:u@dest.example.test>",
+]
+
+
+@pytest.mark.parametrize(
+    "path", [*RELAY_CLASSICS, "<u@other.test@dest.example.test>", "<postmaster@other.test>"]
+)
+async def test_relay_classics_are_refused_outside_relay_networks(mem: Stores, path: str) -> None:
+    """RFC 5321 §3.6.2: a client outside ``relay_networks`` gets no recipient through a
+    percent hack, a bang path, a quoted ``@``, a source route or a second ``@`` (554 5.7.1,
+    or 501 5.1.3 for what is not a path); only this system's postmaster (§4.5.1), also
+    behind a source route, is accepted, as the configured address."""
+    settings = frontend_settings(relay_networks=["127.0.0.1/32"], postmaster="pm@mx.jsqueue.test")
+    async with running(settings, mem) as server:
+        w = await Wire.connect(server.port, source="127.0.0.2")
+        await w.expect("EHLO client.example.test", 250)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        r = await w.cmd(f"RCPT TO:{path}")
+        assert (r.code, r.enhanced) in ((554, "5.7.1"), (501, "5.1.3")), r
+        await w.expect("RCPT TO:<@other.test:postmaster@mx.jsqueue.test>", 250)
+        await w.expect("DATA", 354)
+        await w.send(dot_stuff(MESSAGE))
+        queued_id(await w.reply())
+    [entry] = await entries_of(mem)
+    assert [(r.address, r.domain) for r in entry.recipients] == [
+        ("pm@mx.jsqueue.test", "mx.jsqueue.test")
+    ]
+
+
+async def test_relay_classics_from_a_relay_client_route_by_the_last_domain(mem: Stores) -> None:
+    """RFC 5321 §4.1.1.3, §3.6.2: from a relay network each classic is a mailbox at
+    ``dest.example.test`` (route dropped, local part kept as sent): no work item for
+    ``other.test`` or ``more.test``."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        reply = await w.transaction(
+            "a@example.test", [p[1:-1] for p in RELAY_CLASSICS], dot_stuff(MESSAGE)
+        )
+        queued_id(reply)
+    [entry] = await entries_of(mem)
+    assert {r.domain for r in entry.recipients} == {"dest.example.test"}
+    assert [r.address for r in entry.recipients] == [
+        "u%other.test@dest.example.test",
+        "other.test!u@dest.example.test",
+        '"u@other.test"@dest.example.test',
+        "u@dest.example.test",
+    ]
