@@ -162,3 +162,28 @@ async def test_relay_classics_from_a_relay_client_route_by_the_last_domain(mem: 
         '"u@other.test"@dest.example.test',
         "u@dest.example.test",
     ]
+
+
+@pytest.mark.parametrize(
+    ("mailbox", "code"),
+    [
+        ("a" * 64 + "@example.test", 250),
+        # longer local parts are taken (§4.5.3.1: avoid limits; SRS and VERP exceed 64)
+        ("a" * 100 + "@example.test", 250),
+        ("a" * 241 + "@example.test", 250),  # 254 octets: the longest path
+        ("a" * 242 + "@example.test", 553),
+        ("a@" + "b" * 64 + ".test", 553),  # a label over 63 octets (RFC 1035 §2.3.4)
+    ],
+)
+async def test_path_length_limits_with_a_readable_reply(
+    mem: Stores, mailbox: str, code: int
+) -> None:
+    """RFC 5321 §4.5.3.1.3: a path is at most 256 octets with its angle brackets; a longer
+    one gets 553 5.1.3, and the reply's own words reach the client whole (printable
+    US-ASCII, RFC 5321 §4.2: no character of ours replaced by ``?``)."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        r = await w.cmd(f"MAIL FROM:<{mailbox}>")
+        assert r.code == code, r
+        assert "?" not in r.text, r

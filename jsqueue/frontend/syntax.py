@@ -138,7 +138,7 @@ def parse_mailbox(text: str) -> Path:
     if m is None:
         raise ValueError("not a mailbox")
     if len(text.encode("utf-8", "surrogateescape")) > MAX_PATH_OCTETS:
-        raise ValueError("path longer than 256 octets (RFC 5321 §4.5.3.1.3)")
+        raise ValueError("path longer than 256 octets (RFC 5321 section 4.5.3.1.3)")
     domain = m.group("domain")
     if domain.startswith("["):
         _check_literal(domain)
