@@ -18,6 +18,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from jsqueue.frontend import session as session_module
 from jsqueue.frontend.session import InboundSession
+from jsqueue.frontend.transaction import CommandReader
 
 #: Methods of SMTP the session overrides or calls.
 METHODS = [
@@ -53,6 +54,7 @@ ATTRIBUTES = [
     "_timeout_handle",
     "_reader",
     "_writer",
+    "_smtp_methods",
 ]
 #: Keyword arguments of SMTP.__init__ the session passes.
 INIT_KWARGS = [
@@ -118,6 +120,15 @@ async def test_session_and_envelope_attributes_exist() -> None:
 async def test_stream_reader_buffer_exists() -> None:
     """Pipelined commands after DATA go back through ``StreamReader._buffer``."""
     assert isinstance(asyncio.StreamReader()._buffer, bytearray)  # type: ignore[attr-defined]
+
+
+async def test_command_reader_does_not_shadow_stream_reader_names() -> None:
+    """CommandReader's own state lives beside StreamReader's (its class is swapped in on a
+    live reader): none of its private names may be one StreamReader uses."""
+    reader = asyncio.StreamReader()
+    theirs = set(vars(reader)) | set(dir(asyncio.StreamReader))
+    own = {n for n in vars(CommandReader) if n.startswith("_") and not n.startswith("__")}
+    assert sorted(own & theirs) == []
 
 
 def test_own_private_names_do_not_shadow_aiosmtpd() -> None:

@@ -65,6 +65,36 @@ async def test_message_sent_before_a_refused_data_is_never_executed(
     assert await entries_of(mem) == []
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"Received: from upstream.example.test by relay.example.test; Thu, 3 Dec 2026\r\n",
+        b"From: someone@example.test\r\n",
+        b"\r\n",  # a message without a header
+        b".\r\n",  # an empty message
+    ],
+    ids=["received", "header", "empty-line", "dot"],
+)
+async def test_message_arriving_after_a_refused_data_is_never_executed(
+    mem: Stores, first: bytes
+) -> None:
+    """RFC 2920 §3.1, RFC 5321 §3.3: the message of a client that does not wait for the
+    DATA reply may arrive only after the refusal went out (another packet). Its first line
+    is then no command (a header field, as the trace field an MTA in front of us puts
+    first, an empty line, the final dot): the session ends with 421 there, and the
+    transaction inside the message is never run."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        await w.send(b"MAIL FROM:<a@example.test>\r\nRCPT TO:<not a mailbox>\r\nDATA\r\n")
+        assert [(await w.reply()).code for _ in range(3)] == [250, 501, 503]
+        await w.send(first + b"\r\n" + SMUGGLED)
+        closing = await w.reply()
+        assert (closing.code, closing.enhanced) == (421, "4.5.0"), closing
+        assert await w.closed() == b""
+    assert await entries_of(mem) == []
+
+
 async def test_message_sent_before_data_refused_for_lack_of_helo(mem: Stores) -> None:
     """RFC 5321 §4.1.4: DATA before EHLO is refused with 503; a message already sent
     behind it gets 421 and the session ends, its commands never run."""

@@ -65,7 +65,6 @@ from jsqueue.replies import (
     R250_RECIPIENT_OK,
     R250_SENDER_OK,
     R354_START_INPUT,
-    R421_DATA_TOO_SOON,
     R421_LOCAL_ERROR,
     R421_SHUTTING_DOWN,
     R421_TIMEOUT,
@@ -572,15 +571,14 @@ class InboundSession(SMTP):
     @syntax("DATA")
     async def smtp_DATA(self, arg: str | None) -> None:
         """RFC 5321 §4.1.1.4: receive, store, then exactly one reply; pipelined commands
-        after the terminator are executed next (RFC 2920 §3.1). A refused DATA with input
-        already behind it: that input is the message (never commands), so it gets 421."""
+        after the terminator are executed next (RFC 2920 §3.1). After a refusal, a message
+        sent without waiting for it is never run as commands (CommandReader.data_refused)."""
         txn = self._transaction()
         helo = bool(self.session and self.session.host_name)
         if (refusal := data_refusal(txn, arg, helo=helo)) is not None:
             await self._reply(refusal)
-            if self._reader._buffer:  # type: ignore[attr-defined]  # sent before the reply
-                self._close_with(R421_DATA_TOO_SOON)  # before a yield: nothing more is read
-                self._reader._buffer.clear()  # type: ignore[attr-defined]
+            assert isinstance(self._reader, CommandReader)
+            self._reader.data_refused(self._smtp_methods, self._close_with)
             return
         self._busy = True
         reply: str | None = None

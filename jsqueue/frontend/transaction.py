@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 from aiosmtpd.smtp import Envelope
 
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
+    R421_DATA_TOO_SOON,
     R451_LOCAL_ERROR,
     R501_BAD_PARAMETER,
     R503_NEED_HELO,
@@ -69,19 +71,57 @@ class CommandReader(asyncio.StreamReader):
     """The session's stream reader: the end of the client's input (it shut down its sending
     side) ends the command loop once the commands received before it are answered, as a
     reset connection does, instead of aiosmtpd's endless ``500`` replies to a read past the
-    end; a command line cut off by the end is dropped (never executed)."""
+    end; a command line cut off by the end is dropped (never executed). After a refused
+    DATA it tells the message of a client that did not wait for the reply from a command
+    (:meth:`data_refused`)."""
+
+    # Class attributes: aiosmtpd builds a plain StreamReader and the session swaps its class.
+    _known_verbs: Collection[str] = ()
+    _on_desync: Callable[[Reply], None] | None = None  # set after a refused DATA: check a line
+
+    def data_refused(self, commands: Collection[str], close: Callable[[Reply], None]) -> None:
+        """DATA was just refused (RFC 5321 §3.3) and its reply sent. A client that sent its
+        message without waiting for that reply (RFC 2920 §3.1: DATA ends a group) must not
+        have its lines run as commands: input already received is that message, and so is
+        a next line that is no command of ``commands`` (a header field such as the trace
+        field an MTA in front puts first, an empty line, the final dot). Either way
+        ``close`` is called with ``421 4.5.0`` (it answers and closes without yielding),
+        the input is thrown away and the command loop ends (ConnectionResetError from
+        :meth:`readuntil`). A next line that is a command is read as one.
+
+        Args:
+            commands: the verbs the session knows, upper case.
+            close: sends a reply and closes the connection, synchronously.
+        """
+        if self._buffer:  # type: ignore[attr-defined]  # StreamReader's own buffer
+            close(R421_DATA_TOO_SOON)
+            self._buffer.clear()  # type: ignore[attr-defined]
+        else:
+            self._known_verbs, self._on_desync = commands, close
 
     async def readuntil(self, separator: Any = b"\n") -> bytes:  # typeshed's: private
         """One line, as :meth:`asyncio.StreamReader.readuntil`.
 
         Raises:
-            ConnectionResetError: the input ended before a complete line.
+            ConnectionResetError: the input ended before a complete line, or the line is
+                message text after a refused DATA (:meth:`data_refused`; answered 421).
             LimitOverrunError: the line is longer than the reader's limit.
         """
+        close, self._on_desync = self._on_desync, None
         try:
-            return await super().readuntil(separator)
+            line = await super().readuntil(separator)
         except asyncio.IncompleteReadError as e:
             raise ConnectionResetError("the client ended its input") from e
+        except asyncio.LimitOverrunError:
+            if close is None:
+                raise
+            line = b""  # a line that long is no command
+        verb = line.rstrip(b"\r\n").partition(b" ")[0].upper().decode("ascii", "replace")
+        if close is not None and verb not in self._known_verbs:
+            close(R421_DATA_TOO_SOON)
+            self._buffer.clear()  # type: ignore[attr-defined]
+            raise ConnectionResetError("message text after a refused DATA")
+        return line
 
 
 def client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
