@@ -137,6 +137,26 @@ async def test_message_sent_before_an_accepted_data_is_the_message(mem: Stores) 
     assert [r.address for r in entry.recipients] == ["b@dest.example.test"]
 
 
+@pytest.mark.parametrize("last", [b" LAST", b""])
+async def test_a_bdat_chunk_is_never_read_as_commands(mem: Stores, last: bytes) -> None:
+    """RFC 3030 §2, §4.2: a BDAT chunk follows its command at once, without a wait for a
+    reply. CHUNKING is not offered, so BDAT is an unknown command (500 5.5.2); the chunk
+    (exactly its declared octets) is thrown away, never run as commands, and the session
+    goes on in step."""
+    async with running(frontend_settings(), mem) as server:
+        w = await Wire.connect(server.port)
+        ehlo = await w.expect("EHLO client.example.test", 250)
+        assert "CHUNKING" not in ehlo.lines
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<b@dest.example.test>", 250)
+        await w.send(b"BDAT %d%s\r\n" % (len(SMUGGLED), last) + SMUGGLED + b"NOOP\r\n")
+        r = await w.reply()
+        assert r.code == 500 and "BDAT" in r.text, r
+        assert (await w.reply()).code == 250  # the NOOP after the chunk
+        await w.expect("QUIT", 221)
+    assert await entries_of(mem) == []
+
+
 #: Forward-paths that name another host in the local part or a route: a relay may only
 #: route by the domain after the last ``@`` (RFC 5321 §3.6.2, §4.1.1.3: a source route is
 #: ignored), so each is a recipient at ``dest.example.test`` or nothing.

@@ -73,7 +73,8 @@ class CommandReader(asyncio.StreamReader):
     reset connection does, instead of aiosmtpd's endless ``500`` replies to a read past the
     end; a command line cut off by the end is dropped (never executed). After a refused
     DATA it tells the message of a client that did not wait for the reply from a command
-    (:meth:`data_refused`)."""
+    (:meth:`data_refused`), and the chunk of a BDAT (not offered) is thrown away, never
+    read as commands."""
 
     # Class attributes: aiosmtpd builds a plain StreamReader and the session swaps its class.
     _known_verbs: Collection[str] = ()
@@ -121,7 +122,28 @@ class CommandReader(asyncio.StreamReader):
             close(R421_DATA_TOO_SOON)
             self._buffer.clear()  # type: ignore[attr-defined]
             raise ConnectionResetError("message text after a refused DATA")
+        if verb == "BDAT":
+            await self._skip_chunk(line)
         return line
+
+    async def _skip_chunk(self, line: bytes) -> None:
+        """Read and throw away the chunk of a ``BDAT <size> [LAST]`` line (RFC 3030 §2: the
+        octets follow at once): CHUNKING is not offered, so the command is answered as
+        unknown, and its chunk must not be run as commands. Nothing is skipped when the
+        line has no size. The idle timeout bounds a chunk that never ends.
+
+        Raises:
+            ConnectionResetError: the input ended inside the chunk.
+        """
+        words = line.split()
+        if len(words) not in (2, 3) or not words[1].isdigit() or len(words[1]) > 20:
+            return
+        left = int(words[1])
+        while left:
+            data = await self.read(min(left, 64 * 1024))
+            if not data:
+                raise ConnectionResetError("the client ended its input inside a BDAT chunk")
+            left -= len(data)
 
 
 def client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
