@@ -248,6 +248,8 @@ async def test_any_other_552_to_rcpt_defers_its_recipient_only(
     stored = Reply.model_validate_json(recorded.model_dump_json())
     assert stored.sent == sent
     assert diagnostic_code(stored)[0].startswith(f"smtp; {sent} {text.split(' (')[0]}")
+    # the note jsqueue adds is ASCII: the DSN's Diagnostic-Code has no character replaced
+    assert "?" not in "".join(diagnostic_code(stored)) and "section 4.5.3.1.10" in stored.text
 
 
 async def test_worker_records_every_recipient_past_a_limit_delivered(

@@ -141,7 +141,7 @@ def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
     if reply.code == 552:
         enhanced = None if reply.enhanced is None else "4" + reply.enhanced[1:]
         was = "552" if reply.enhanced is None else f"552 {reply.enhanced}"
-        text = f"{reply.text} ({was} to RCPT, treated as temporary: RFC 5321 §4.5.3.1.10)"
+        text = f"{reply.text} ({was} to RCPT, treated as temporary: RFC 5321 section 4.5.3.1.10)"
         update = {"code": 452, "enhanced": enhanced, "text": text, "sent": was}
         return reply.model_copy(update=update), False
     return reply, False
