@@ -25,6 +25,7 @@ from jsqueue.config import (
     setting_paths,
     settings_reference,
 )
+from jsqueue.envelope import routing_domain
 from jsqueue.errors import ConfigError, InvalidName
 from jsqueue.names import Names
 
@@ -404,7 +405,7 @@ def test_per_site_settings_and_groups_are_keyed_in_lower_case() -> None:
         groups={"Google": ["*.google.com"]},
     )
     assert d.sessions_of("example.test") == 3
-    assert d.message_rate_of("[IPv6:2001:db8::1]") == (5, 1.0)
+    assert d.message_rate_of(routing_domain("u@[IPv6:2001:db8::1]")) == (5, 1.0)
     assert list(d.groups) == ["google"]
     with pytest.raises(ValidationError, match="differ only in case"):
         DestinationSettings(site_sessions={"a.test": 2, "A.test": 3})

@@ -36,10 +36,7 @@ def check_site(site: str) -> str:
             f"invalid site {site!r}: a domain or a site group's name "
             "(letters, digits, '.', '-', '_')"
         )
-    if not site.startswith("["):
-        return site.lower()
-    inner = site[1:-1]
-    return f"[IPv6:{inner[5:].lower()}]" if inner[:5].lower() == "ipv6:" else site
+    return site.lower()  # as routing domains are, address literals included
 
 
 _RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d*)\s*(s|m|h)\s*$")
