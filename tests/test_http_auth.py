@@ -100,15 +100,21 @@ def test_header_recipients_removes_bcc_only() -> None:
         b"\td@x.example\r\n"
         b"Subject: Bcc: not a field here\r\n"
         b"Cc: e@x.example\r\n"
+        b"BCC \t: f@x.example\r\n"  # RFC 5322 §4.5.3 obs-bcc: white space before the colon
+        b"CC : g@x.example\r\n"
         b"\r\n"
         b"Bcc: in the body stays\r\n"
     )
     found, kept = header_recipients(msg)
-    assert found == ["a@x.example", "b@x.example", "e@x.example", "c@x.example", "d@x.example"]
+    assert found == [
+        "a@x.example", "b@x.example", "e@x.example", "g@x.example", "c@x.example", "d@x.example",
+        "f@x.example",
+    ]  # fmt: skip
     assert kept == (
         b"To: a@x.example, B <b@x.example>\r\n"
         b"Subject: Bcc: not a field here\r\n"
         b"Cc: e@x.example\r\n"
+        b"CC : g@x.example\r\n"
         b"\r\n"
         b"Bcc: in the body stays\r\n"
     )

@@ -16,8 +16,6 @@ queue, but with the queue itself as the drop). Exit status as sendmail's (sysexi
 from __future__ import annotations
 
 import argparse
-import email.parser
-import email.policy
 import email.utils
 import getpass
 import re
@@ -155,7 +153,9 @@ _HEADER_END = re.compile(rb"\r\n\r\n")
 
 def header_recipients(data: bytes) -> tuple[list[str], bytes]:
     """``-t``: the addresses of To, Cc and Bcc (RFC 5322 §3.6.3), and the message with its
-    Bcc fields removed (the rest byte for byte). ``data`` has CRLF line ends.
+    Bcc fields removed (the rest byte for byte). ``data`` has CRLF line ends. A field name
+    followed by white space before its colon (``Bcc :``, RFC 5322 §4.5 obsolete syntax) is
+    that field.
 
     Raises:
         RequestRejected: a To, Cc or Bcc field is not UTF-8 (RFC 6532 §3.2), so its
@@ -163,26 +163,26 @@ def header_recipients(data: bytes) -> tuple[list[str], bytes]:
     """
     m = _HEADER_END.search(data)
     head, body = (data[: m.end()], data[m.end() :]) if m else (data, b"")
-    parsed = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(head)
-    values = []
-    raw_items = list(parsed.raw_items())  # octets beyond ASCII kept as surrogates
-    for field in ("to", "cc", "bcc"):
-        for name, raw in raw_items:
-            if name.lower() != field:
-                continue
-            try:
-                values.append(raw.encode("ascii", "surrogateescape").decode("utf-8"))
-            except UnicodeError:
-                raise RequestRejected(f"-t: the {name} field is not UTF-8") from None
-    addresses = [a for _, a in email.utils.getaddresses(values) if a]
-    kept: list[bytes] = []
-    skipping = False
+    fields: list[tuple[bytes, list[bytes]]] = []  # (name, lines), continuations unfolded
     for line in head.split(b"\r\n"):
-        if line[:1] in (b" ", b"\t") and skipping:
-            continue  # a folded continuation of a Bcc field (RFC 5322 §2.2.3)
-        skipping = line.lower().startswith(b"bcc:")
-        if not skipping:
-            kept.append(line)
+        if line[:1] in (b" ", b"\t") and fields:
+            fields[-1][1].append(line)  # a folded continuation (RFC 5322 §2.2.3)
+        else:
+            fields.append((line.partition(b":")[0].rstrip(b" \t"), [line]))
+    values = []
+    for wanted in (b"to", b"cc", b"bcc"):
+        for name, lines in fields:
+            if name.lower() != wanted:
+                continue
+            raw = b" ".join(x.strip(b" \t") for x in lines).partition(b":")[2]
+            try:
+                values.append(raw.decode("utf-8"))
+            except UnicodeError:
+                raise RequestRejected(
+                    f"-t: the {name.decode('ascii', 'replace')} field is not UTF-8"
+                ) from None
+    addresses = [a for _, a in email.utils.getaddresses(values) if a]
+    kept = [line for name, lines in fields if name.lower() != b"bcc" for line in lines]
     return addresses, b"\r\n".join(kept) + body
 
 
