@@ -109,6 +109,23 @@ async def test_resend_within_window_is_stored_once(stores: Stores) -> None:
     assert len(await due_domains(stores)) == 4  # two messages, two domains each
 
 
+async def test_the_same_transaction_from_another_client_is_a_message_of_its_own(
+    stores: Stores,
+) -> None:
+    """A resend comes from the client that lost the 250 (RFC 5321 §6.1). The same text,
+    envelope and all, from another client address within the window (two hosts sending
+    one alert and closing without QUIT) is another message: it used to get the first one's
+    queue id, and the second host's mail was never delivered."""
+    if stores.ingest is None:
+        pytest.skip("backend without an ingest log")
+    ingest = Ingest(frontend_settings(dedupe_window_s=60), stores)
+    first = await ingest_once(ingest, submission(client_address="127.0.0.1"))
+    second = await ingest_once(ingest, submission(client_address="127.0.0.2"))
+    assert second != first
+    assert await ingest_once(ingest, submission(client_address="127.0.0.2")) == second
+    assert len(await stores.entries.page()) == 2
+
+
 async def test_a_resend_after_the_first_copy_was_delivered_is_not_stored_again(
     stores: Stores,
 ) -> None:

@@ -366,7 +366,8 @@ def test_received_header_shape() -> None:
 
 def test_ingest_key_covers_envelope_and_content() -> None:
     """Idempotent ingest: the same envelope and content give the same key; any change
-    (content, recipient parameters, sender, authenticated user) gives another."""
+    (content, recipient parameters, sender, authenticated user, client address) gives
+    another."""
     rcpt = [Recipient.from_address("bob@dest.example.test")]
     base = {
         "reverse_path": "alice@example.test",
@@ -375,6 +376,7 @@ def test_ingest_key_covers_envelope_and_content() -> None:
         "envid": None,
         "smtputf8": False,
         "auth_user": None,
+        "client_address": "192.0.2.1",
         "content_sha256": hashlib.sha256(b"x").digest(),
     }
     key = ingest_key(**base)  # type: ignore[arg-type]
@@ -383,6 +385,7 @@ def test_ingest_key_covers_envelope_and_content() -> None:
         {"content_sha256": hashlib.sha256(b"y").digest()},
         {"reverse_path": ""},
         {"auth_user": "alice"},
+        {"client_address": "192.0.2.2"},
         {
             "recipients": [
                 Recipient.from_address("bob@dest.example.test", notify=frozenset({Notify.NEVER}))

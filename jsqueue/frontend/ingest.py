@@ -40,9 +40,10 @@ def ingest_key(
     envid: str | None,
     smtputf8: bool,
     auth_user: str | None,
+    client_address: str | None,
     content_sha256: bytes,
 ) -> str:
-    """The idempotent-ingest key: SHA-256 hex of the envelope and the client's content.
+    """The idempotent-ingest key: SHA-256 hex of the client, the envelope and its content.
 
     Pure: the same transaction always gives the same key.
 
@@ -53,6 +54,10 @@ def ingest_key(
         envid: the ENVID parameter, decoded (RFC 3461 §4.4), or None.
         smtputf8: MAIL carried SMTPUTF8 (RFC 6531 §3.4).
         auth_user: the authenticated user (RFC 4954), or None.
+        client_address: the client's IP address, or None. A resend comes from the client
+            that lost the ``250`` (RFC 5321 §6.1); the same text from another client (two
+            hosts sending one alert) is a message of its own. Should a client resend from
+            another address, it is stored twice: a duplicate, never a loss.
         content_sha256: the 32-octet digest of the message as the client sent it (dots
             unstuffed), without our ``Received:`` header, which differs on every attempt.
 
@@ -66,6 +71,7 @@ def ingest_key(
         envid,
         smtputf8,
         auth_user,
+        client_address,
     ]
     h = hashlib.sha256(json.dumps(envelope, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     h.update(b"\0")
@@ -340,6 +346,7 @@ class Ingest:
             envid=mail.envid,
             smtputf8=mail.smtputf8,
             auth_user=mail.auth_user,
+            client_address=mail.client_address,
             content_sha256=mail.content_sha256,
         )
 
