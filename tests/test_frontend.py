@@ -195,6 +195,28 @@ async def test_too_many_unknown_commands_end_the_session_with_421(mem: Stores) -
         assert await w.closed() == b""
 
 
+async def test_commands_that_move_no_mail_are_limited_between_messages(mem: Stores) -> None:
+    """``smtp.max_junk_commands`` (5 here) commands that move no mail (NOOP, RSET, VRFY,
+    HELP, EHLO ...) between two messages; the next gets ``421 4.7.0`` and the session ends
+    (RFC 5321 §3.8), as Postfix's junk command limit: the idle timeout alone let a client
+    hold a session for ever with a NOOP now and then. A message accepted starts the count
+    again (a pooled connection's RSET per message is fine); a refused DATA does not."""
+    async with running(frontend_settings(max_junk_commands=5), mem) as server:
+        w = await Wire.connect(server.port)
+        for command in ["EHLO client.example.test", "NOOP", "RSET", "HELP", "noop"]:
+            assert (await w.cmd(command)).code // 100 == 2, command
+        r = await w.transaction(
+            "a@example.test", ["b@dest.example.test"], b"x\r\n.\r\n", ehlo=False
+        )
+        assert r.code == 250, r
+        for _ in range(4):
+            await w.expect("RSET", 250)
+        await w.expect("DATA", 503)  # no mail moved: counted, and the count goes on
+        r = await w.cmd("NOOP")
+        assert (r.code, r.enhanced) == (421, "4.7.0"), r
+        assert await w.closed() == b""
+
+
 async def test_helo_session_uses_plain_smtp(mem: Stores) -> None:
     """RFC 5321 §4.1.1.1: after HELO no extension parameters; Received: says ``with SMTP``."""
     async with running(frontend_settings(), mem) as server:

@@ -289,6 +289,12 @@ class SmtpSettings(_Section):
         "refused with 554 5.4.6 (RFC 5321 §6.3 recommends allowing at least 100)",
     )
     max_sessions: int = Field(200, ge=1, description="concurrent SMTP sessions")
+    max_junk_commands: int = Field(
+        100,
+        ge=0,
+        description="commands that move no mail (NOOP, RSET, VRFY, EXPN, HELP, EHLO, HELO) a "
+        "session may send between two messages; the next ends it with 421 4.7.0; 0: no limit",
+    )
     session_timeout_s: float = Field(300.0, gt=0, description="idle command timeout, seconds")
     relay_networks: list[IPv4Network | IPv6Network] = Field(
         default_factory=_loopback_networks,

@@ -180,7 +180,7 @@ class InboundSession(SMTP):
 
     async def _handle_client(self) -> None:
         # aiosmtpd builds its reader inline; ours ends the command loop at the client's EOF.
-        self._reader.__class__ = CommandReader
+        CommandReader.adopt(self._reader, self._settings.max_junk_commands, self._close_with)
         if self._refused:
             await self._reply(R421_TOO_MANY_SESSIONS)
             self._close()

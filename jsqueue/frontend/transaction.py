@@ -19,6 +19,7 @@ from aiosmtpd.smtp import Envelope
 from jsqueue.envelope import Recipient
 from jsqueue.replies import (
     R421_DATA_TOO_SOON,
+    R421_TOO_MUCH_JUNK,
     R451_LOCAL_ERROR,
     R501_BAD_PARAMETER,
     R503_NEED_HELO,
@@ -67,6 +68,10 @@ class ExceptionHook:
         return str(R451_LOCAL_ERROR)
 
 
+#: Commands that move no mail, limited by ``smtp.max_junk_commands`` (:meth:`CommandReader.adopt`).
+JUNK = frozenset({"NOOP", "RSET", "VRFY", "EXPN", "HELP", "EHLO", "HELO"})
+
+
 class CommandReader(asyncio.StreamReader):
     """The session's stream reader: the end of the client's input (it shut down its sending
     side) ends the command loop once the commands received before it are answered, as a
@@ -79,6 +84,24 @@ class CommandReader(asyncio.StreamReader):
     # Class attributes: aiosmtpd builds a plain StreamReader and the session swaps its class.
     _known_verbs: Collection[str] = ()
     _on_desync: Callable[[Reply], None] | None = None  # set after a refused DATA: check a line
+    _junk_limit = 0  # 0: no limit (adopt)
+    _junk = 0  # junk commands since the last DATA that went on to the message
+    _junk_before_data = 0
+    _close: Callable[[Reply], None] | None = None
+
+    @classmethod
+    def adopt(
+        cls, reader: asyncio.StreamReader, junk_limit: int, close: Callable[[Reply], None]
+    ) -> None:
+        """Make aiosmtpd's ``reader`` of a session one of this class (it builds its reader
+        inline). A session may send ``junk_limit`` commands that move no mail (:data:`JUNK`:
+        NOOP, RSET, VRFY, EXPN, HELP, EHLO, HELO) between two messages; the next is
+        answered ``421 4.7.0`` by ``close`` and ends the session, as Postfix's
+        ``smtpd_junk_command_limit`` does: the idle timeout alone lets a client that
+        never sends mail hold a session for ever. 0 is no limit."""
+        reader.__class__ = cls
+        assert isinstance(reader, CommandReader)
+        reader._junk_limit, reader._close = junk_limit, close
 
     def data_refused(self, commands: Collection[str], close: Callable[[Reply], None]) -> None:
         """DATA was just refused (RFC 5321 §3.3) and its reply sent. A client that sent its
@@ -94,6 +117,7 @@ class CommandReader(asyncio.StreamReader):
             commands: the verbs the session knows, upper case.
             close: sends a reply and closes the connection, synchronously.
         """
+        self._junk = self._junk_before_data + 1  # a refused DATA moved no mail
         if self._buffer:  # type: ignore[attr-defined]  # StreamReader's own buffer
             close(R421_DATA_TOO_SOON)
             self._buffer.clear()  # type: ignore[attr-defined]
@@ -104,8 +128,9 @@ class CommandReader(asyncio.StreamReader):
         """One line, as :meth:`asyncio.StreamReader.readuntil`.
 
         Raises:
-            ConnectionResetError: the input ended before a complete line, or the line is
-                message text after a refused DATA (:meth:`data_refused`; answered 421).
+            ConnectionResetError: the input ended before a complete line, the line is
+                message text after a refused DATA (:meth:`data_refused`; answered 421), or
+                one junk command too many (:meth:`adopt`; answered 421).
             LimitOverrunError: the line is longer than the reader's limit.
         """
         close, self._on_desync = self._on_desync, None
@@ -122,6 +147,14 @@ class CommandReader(asyncio.StreamReader):
             close(R421_DATA_TOO_SOON)
             self._buffer.clear()  # type: ignore[attr-defined]
             raise ConnectionResetError("message text after a refused DATA")
+        if verb == "DATA":
+            self._junk_before_data, self._junk = self._junk, 0
+        elif verb in JUNK:
+            self._junk += 1
+            if self._junk_limit and self._junk > self._junk_limit and self._close is not None:
+                self._close(R421_TOO_MUCH_JUNK)
+                self._buffer.clear()  # type: ignore[attr-defined]
+                raise ConnectionResetError("too many commands without mail")
         if verb == "BDAT":
             await self._skip_chunk(line)
         return line
