@@ -289,6 +289,9 @@ class ScriptedMx(_MxBase):
         extra_replies: a reply sent unasked right after the reply to a verb (``{"MAIL":
             "250 2.1.0 again"}``: two replies to one command; for ``"DATA"`` right after
             the ``354``, i.e. before the client could send the data or its final dot).
+        tls_inject: text sent in cleartext in the same write as the ``220`` to STARTTLS
+            (lines separated by ``\\n``), as a man in the middle injects replies for the
+            commands after the handshake (the CVE-2011-0411 class, RFC 3207 §4.2).
         trickle: when set, every reply after the greeting goes out in pieces of this many
             octets, one write each with a pause between (TCP_NODELAY: one segment each),
             so replies and their lines are split across segments; :attr:`pieces` counts
@@ -322,8 +325,10 @@ class ScriptedMx(_MxBase):
         hold: asyncio.Event | None = None,
         trickle: int | None = None,
         extra_replies: Mapping[str, str] | None = None,
+        tls_inject: str | None = None,
     ) -> None:
         super().__init__(host, port)
+        self.tls_inject = tls_inject
         self.extra_replies = {k.upper(): v for k, v in (extra_replies or {}).items()}
         self.trickle = trickle
         self.pieces = 0
@@ -445,7 +450,10 @@ class ScriptedMx(_MxBase):
                 tx = None
                 reply = self.helo
             elif verb == "STARTTLS" and (self.tls is not None or self.tls_abort):
-                if not await self._send(writer, "220 2.0.0 ready to start TLS"):
+                ready = "220 2.0.0 ready to start TLS"
+                if self.tls_inject is not None:
+                    ready += "\n" + self.tls_inject
+                if not await self._send(writer, ready):
                     return
                 if self.tls_abort:
                     await reader.read(1)  # the ClientHello has arrived: reset
