@@ -5,6 +5,8 @@ RFC 2920). MX addresses 127.0.5.x."""
 
 from __future__ import annotations
 
+import pytest
+
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery import BodySource, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.envelope import Notify, Recipient
@@ -74,3 +76,50 @@ async def test_starttls_injected_cleartext_is_discarded_and_ehlo_repeated() -> N
     assert rcpt_lines == [f"RCPT TO:<{rcpt.address}>"]  # no NOTIFY: no DSN after TLS
     mail_lines = [c for c in mx.commands if c.upper().startswith("MAIL")]
     assert "SIZE=" not in mail_lines[0]
+
+
+BROKEN = {
+    "greeting-codes-differ": {"greeting": "220-mx.bad.example.test\n554 no"},
+    "greeting-no-separator": {"greeting": "220mx.bad.example.test"},
+    "greeting-554": {"greeting": "554 5.3.2 no service"},
+    "greeting-421": {"greeting": "421 4.3.2 busy"},
+    "greeting-then-extra": {"greeting": "220 mx.bad.example.test\n250 unsolicited"},
+    "ehlo-421": {"ehlo": "421 4.3.2 closing"},
+    "ehlo-codes-differ": {"ehlo": "250-mx.bad.example.test\n251 PIPELINING"},
+    "ehlo-then-extra": {"ehlo": "250 mx.bad.example.test\n250 again"},
+    "mail-421": {"mail": "421 4.3.2 closing"},
+    "mail-two-replies": {"extra_replies": {"MAIL": "250 2.1.0 again"}},
+    "rcpt-two-replies": {"extra_replies": {"RCPT": "550 5.1.1 not yours"}},
+    "rcpt-421": {"rcpt": "421 4.3.2 closing"},
+    "rcpt-codes-differ": {"rcpt": "250-ok\n550 5.1.1 no"},
+    "data-421": {"data": "421 4.3.2 closing"},
+    "helo-too": {"ehlo": "502 5.5.1 no", "helo": "421 4.3.2 bye"},
+}
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("fault", sorted(BROKEN))
+async def test_broken_primary_goes_to_the_next_mx(fault: str, pipelining: bool) -> None:
+    """RFC 5321 §3.8, §4.2, §5.1: a primary that breaks the protocol before the body went
+    out (421 at any stage, a malformed or unsolicited reply) sends the message to the next
+    MX; nothing is bounced."""
+    bad, good = "127.0.5.2", "127.0.5.3"
+    port = shared_port([bad, good])
+    rcpt = Recipient.from_address("b@two.example.test")
+    kw: dict[str, object] = {"name": "mx.bad.example.test", **BROKEN[fault]}
+    async with (
+        ScriptedMx(bad, port, **kw) as primary,  # type: ignore[arg-type]
+        ScriptedMx(good, port, name="mx2.two.example.test") as backup,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx.bad.example.test", address=bad, preference=10),
+                MxTarget(host="mx2.two.example.test", address=good, preference=20),
+            ],
+            envelope(rcpt),
+            BodySource.from_bytes(MESSAGE),
+            settings_for(port, pipelining=pipelining),
+        )
+    assert not primary.delivered
+    assert result.delivered == [rcpt.address], result.replies
+    assert len(backup.delivered) == 1

@@ -123,6 +123,7 @@ async def deliver(
         if loop is not None:
             break
         allow_tls = True
+        fresh = False  # after a desynchronised session: a new connection, not a cached one
         plan = (plans or {}).get(target.host)
         if plan is not None and plan.refuse is not None:
             log.warning("%s [%s]: not used: %s", target.host, target.address, plan.refuse.detail)
@@ -131,7 +132,7 @@ async def deliver(
             continue
         while True:
             session = OutboundSession(
-                target, envelope, recipients, body_cache, settings, allow_tls, plan=plan
+                target, envelope, recipients, body_cache, settings, allow_tls, fresh, plan
             )
             try:
                 result = await session.run(cache)
@@ -161,6 +162,22 @@ async def deliver(
                 )
                 last = e.reply
                 earlier.extend([e.reply.tls] if e.reply.tls else [])
+                break
+            if session.desynced_unsent:
+                # Out of sync before any body went out (greeting, EHLO, MAIL, RCPT, DATA):
+                # nobody has the message. Once more on a new connection (a cached session
+                # may have gone stale), then the next MX, as for a malformed reply.
+                if not fresh:
+                    fresh = True
+                    continue
+                last = with_note(result, session).replies[recipients[0].address]
+                earlier.extend([last.tls] if last.tls else [])
+                log.info(
+                    "%s [%s]: out of sync again; trying the next %s",
+                    target.host,
+                    target.address,
+                    "address of the smarthost" if target.relay else "MX",
+                )
                 break
             return with_note(await _rest(result, session, cache), session, earlier)
     if loop is not None and last is None:

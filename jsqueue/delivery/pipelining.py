@@ -11,7 +11,8 @@ when the group is exactly right; otherwise nothing is attributed:
 * data received before the group went out, a reply beyond the last expected one, or one
   impossible for its command (a ``354`` to MAIL or RCPT, a ``2xx`` to DATA) raises
   :class:`~jsqueue.delivery.sync.Desync`: the connection is dropped and the transaction's
-  recipients go to a fresh connection once, then are deferred (``4.5.0``);
+  recipients go to a fresh connection once, then to the next MX (deferred with
+  ``4.5.0`` when none is left);
 * too few replies (the connection closed, a reply timed out), a malformed reply or a
   ``421`` raise :class:`~jsqueue.delivery.signals.NextMx`: no body was sent, so no
   recipient can have the message; the next MX is tried and every recipient gets the

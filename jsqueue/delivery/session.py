@@ -71,7 +71,9 @@ class OutboundSession:
         settings: timeouts (seconds), TLS policies, EHLO name, MX port, smarthost AUTH.
         allow_tls: False after an opportunistic STARTTLS failed on this address.
         fresh: this session retries recipients after a desynchronised reply: it takes no
-            cached connection, and a second desynchronisation defers them (4.5.0).
+            cached connection, and a second desynchronisation defers them (4.5.0), or,
+            when no body went out (:attr:`desynced_unsent`), the client moves on to the
+            next MX.
     """
 
     def __init__(
@@ -90,6 +92,9 @@ class OutboundSession:
         self.tls_note: TlsNote | None = None
         self.fresh = fresh
         self.desynced = False  # a desynchronised reply left carry for a fresh connection
+        # Out of sync before any final dot of the session's first transaction: nothing of
+        # the message reached the server (RFC 5321 §4.1.1.4), no reply of it counts.
+        self.desynced_unsent = False
         self.host = target.host
         self.envelope = envelope
         self.recipients = recipients
@@ -461,19 +466,28 @@ class OutboundSession:
         none of its replies count except ``e.replies`` (uncertain ones after a final dot).
         The rest are offered again on a fresh connection (:attr:`carry`), or, when this is
         that fresh connection, deferred with ``4.5.0``; ``replies`` gets their 4.5.0 in
-        either case (kept when the fresh connection cannot be had)."""
+        either case (kept when the fresh connection cannot be had). Sets
+        :attr:`desynced_unsent` when this was before any final dot of the session's first
+        transaction (or before it): :func:`~jsqueue.delivery.client.deliver` then tries a
+        fresh connection and after it the next MX (RFC 5321 §5.1), never deferring the
+        message at a server that cannot keep its replies in sync while another MX waits."""
+        rest = [r for r in pending if r.address not in e.replies]
+        self.desynced_unsent = not e.replies and len(rest) == len(self.recipients)
         log.warning(
             "%s: desynchronised reply detected before %s (unexpected %r); dropping the "
             "connection%s",
             self.where(),
             e.stage,
             e.data,
-            "" if self.fresh else ", retrying on a fresh one",
+            ", retrying on a fresh one"
+            if not self.fresh
+            else ", trying the next MX"
+            if self.desynced_unsent
+            else "",
         )
         abort_connection(self.smtp)
         self.reusable = False
         replies.update(e.replies)
-        rest = [r for r in pending if r.address not in e.replies]
         detail = f"{self.where()}: desynchronised reply before {e.stage}"
         for r in rest:
             replies[r.address] = with_detail(R451_PROTOCOL_ERROR, detail)
