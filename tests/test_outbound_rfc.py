@@ -5,12 +5,25 @@ RFC 2920). MX addresses 127.0.5.x."""
 
 from __future__ import annotations
 
+import email
+
 import pytest
 
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery import BodySource, DeliveryEnvelope, MxTarget, deliver
 from jsqueue.envelope import Notify, Recipient
-from support.mx import Certs, ScriptedMx, Session, shared_port
+from support.mx import Certs, ScriptedMx, Session, Transaction, shared_port
+from support.queue import Harness, eventually
+
+SENDER_ZONE_5 = """
+example.test.        300 IN MX 10 mx.example.test.
+mx.example.test.     300 IN A  127.0.5.11
+"""
+
+
+async def _gone(h: Harness, queue_id: str) -> bool:
+    return await h.entry(queue_id) is None
+
 
 MESSAGE = b"From: a@example.test\r\nTo: b@inj.example.test\r\nSubject: t\r\n\r\nhello\r\n"
 
@@ -123,3 +136,135 @@ async def test_broken_primary_goes_to_the_next_mx(fault: str, pipelining: bool) 
     assert not primary.delivered
     assert result.delivered == [rcpt.address], result.replies
     assert len(backup.delivered) == 1
+
+
+async def test_pipelined_mixed_rcpts_and_a_554_to_the_dot_one_dsn_then_the_450_alone(
+    queue_harness: Harness,
+) -> None:
+    """RFC 5321 §3.3, RFC 2920: one pipelined group gets 250 / 450 / 550 / 250 to its
+    RCPTs and 554 to the final dot: the accepted two and the 550 are bounced in one DSN,
+    the 450 is retried alone, gets 250 to its dot, and nothing is offered twice."""
+    h = queue_harness
+    domain = "mixed5.example.test"
+    h.dns.add(
+        SENDER_ZONE_5 + f"{domain}. 300 IN MX 10 mx.{domain}.\nmx.{domain}. 300 IN A 127.0.5.10\n"
+    )
+    a, b, c, d = (f"{x}@{domain}" for x in "abcd")
+    dots: list[list[str]] = []
+
+    def end(tx: Transaction) -> str:
+        dots.append(list(tx.rcpt_to))
+        return "554 5.7.1 content refused" if len(dots) == 1 else "250 2.0.0 queued"
+
+    async with (
+        ScriptedMx(
+            "127.0.5.10",
+            h.mx_port,
+            name=f"mx.{domain}",
+            rcpt_replies={b: "450 4.2.1 try later", c: "550 5.1.1 no such user"},
+            end_of_data=end,
+        ) as mx,
+        ScriptedMx("127.0.5.11", h.mx_port, name="mx.example.test") as sender_mx,
+    ):
+        qid = await h.submit(b"Subject: mixed\r\n\r\nbody\r\n", [a, b, c, d])
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="the failure DSN")
+            mx.rcpt_replies.pop(b)
+            await eventually(lambda: len(dots) == 2, what="the retry of b@")
+            await eventually(lambda: _gone(h, qid), what="entry removed")
+        assert dots == [[a, d], [b]]
+        assert [n for s in mx.sessions for n in s.rcpt_counts()] == [4, 1]
+        assert len(sender_mx.delivered) == 1, "one DSN"
+        dsn = email.message_from_bytes(sender_mx.delivered[0].content or b"")
+        finals = [
+            str(p["Final-Recipient"]) for p in dsn.walk() if p.get("Final-Recipient") is not None
+        ]
+        statuses = [str(p["Status"]) for p in dsn.walk() if p.get("Status") is not None]
+        assert sorted(finals) == sorted(f"rfc822; {x}" for x in (a, c, d)), finals
+        assert sorted(statuses) == ["5.1.1", "5.7.1", "5.7.1"]
+
+
+@pytest.mark.parametrize("refusal", ["500 5.5.1 unrecognized", "502 5.5.2 not implemented"])
+async def test_helo_fallback_sends_no_esmtp_and_converts_an_8bit_body(refusal: str) -> None:
+    """RFC 5321 §3.2, §4.1.1.1: EHLO refused with 500/502 is followed by HELO; the session
+    has no extensions, so MAIL carries no parameter and an 8-bit body is converted to
+    7-bit MIME (RFC 6152 §3), never sent raw."""
+    host = "127.0.5.4"
+    port = shared_port([host])
+    body = (
+        b"From: a@example.test\r\nTo: b@helo.example.test\r\nSubject: t\r\nMIME-Version: 1.0\r\n"
+        b"Content-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n"
+        + "gr\u00fc\u00dfe\r\n".encode()
+    )
+    rcpt = Recipient.from_address("b@helo.example.test")
+    env = DeliveryEnvelope(
+        domain=rcpt.domain, reverse_path="a@example.test", recipients=(rcpt,), body_8bit=True
+    )
+    async with ScriptedMx(host, port, name="mx.helo.example.test", ehlo=refusal) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.helo.example.test", address=host)],
+            env,
+            BodySource.from_bytes(body),
+            settings_for(port),
+        )
+    assert result.delivered == [rcpt.address], result.replies
+    assert result.converted_7bit
+    verbs = [c.split(" ", 1)[0].upper() for c in mx.commands]
+    assert verbs[:3] == ["EHLO", "HELO", "MAIL"]
+    assert [c for c in mx.commands if c.startswith("MAIL")] == ["MAIL FROM:<a@example.test>"]
+    content = mx.delivered[0].content or b""
+    assert content.isascii() and b"quoted-printable" in content.lower()
+
+
+async def test_smtputf8_message_to_a_server_without_it_is_never_sent() -> None:
+    """RFC 6531 §3.4: a message that needs SMTPUTF8 (UTF-8 local part) is not sent to a
+    server that does not advertise it; it fails with 5.6.7 before MAIL."""
+    host = "127.0.5.5"
+    port = shared_port([host])
+    rcpt = Recipient.from_address("j\u00f6rg@utf8.example.test")
+    env = DeliveryEnvelope(
+        domain=rcpt.domain, reverse_path="a@example.test", recipients=(rcpt,), smtputf8=True
+    )
+    async with ScriptedMx(host, port, name="mx.utf8.example.test") as mx:
+        result = await deliver(
+            [MxTarget(host="mx.utf8.example.test", address=host)],
+            env,
+            BodySource.from_bytes(MESSAGE),
+            settings_for(port),
+        )
+    assert result.replies[rcpt.address].code == 554
+    assert result.replies[rcpt.address].enhanced == "5.6.7"
+    assert not any(c.upper().startswith(("MAIL", "RCPT", "DATA")) for c in mx.commands)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+async def test_split_and_overlong_replies_keep_their_meaning(pipelining: bool) -> None:
+    """RFC 5321 §4.2, §4.5.3.1.5: replies split into 3-octet TCP segments are read whole;
+    a 550 of 20 000 octets to one RCPT stays that recipient's 550 (its text cut), the
+    other recipient is delivered."""
+    host = "127.0.5.6"
+    port = shared_port([host])
+    good, bad = (Recipient.from_address(f"{x}@split.example.test") for x in "gb")
+    long_550 = "550 5.1.1 " + "x" * 20000
+    async with ScriptedMx(
+        host, port, name="mx.split.example.test", rcpt_replies={bad.address: long_550}
+    ) as mx:
+        overlong = await deliver(
+            [MxTarget(host="mx.split.example.test", address=host)],
+            envelope(good, bad),
+            BodySource.from_bytes(MESSAGE),
+            settings_for(port, pipelining=pipelining),
+        )
+        mx.rcpt_replies.clear()
+        mx.trickle = 3
+        split = await deliver(
+            [MxTarget(host="mx.split.example.test", address=host)],
+            envelope(good, bad),
+            BodySource.from_bytes(MESSAGE),
+            settings_for(port, pipelining=pipelining),
+        )
+    assert overlong.delivered == [good.address]
+    reply = overlong.replies[bad.address]
+    assert (reply.code, reply.enhanced) == (550, "5.1.1") and len(reply.text) < 9000
+    assert split.delivered == [good.address, bad.address], split.replies
+    assert mx.pieces > 20
