@@ -25,6 +25,7 @@ from jsqueue import state
 from jsqueue.attempt_log import log_attempt, log_cut_further, log_expired
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
+from jsqueue.delivery.committed import dot_sent
 from jsqueue.destinations import Destinations, Gate, put_back
 from jsqueue.envelope import Entry, utcnow
 from jsqueue.errors import (
@@ -148,8 +149,9 @@ class Worker:
         """Deliver until ``stop`` is set, then drain (STYLE.md habit 10).
 
         Drain: stop fetching, let in-flight deliveries finish within
-        ``settings.drain_timeout_s`` seconds, then hand what remains back for immediate
-        redelivery (lease released, NAK without delay).
+        ``settings.drain_timeout_s`` seconds (one past a final dot: up to
+        ``data_final_timeout_s`` more, see :meth:`drain`), then hand what remains back for
+        immediate redelivery (lease released, NAK without delay).
 
         Args:
             stop: set it (e.g. on SIGTERM) to drain and return.
@@ -239,12 +241,20 @@ class Worker:
             return False
 
     async def drain(self) -> None:
-        """Finish in-flight deliveries within the drain bound; give back the rest."""
+        """Finish in-flight deliveries within the drain bound; give back the rest, except
+        those that sent a final dot: they get up to ``data_final_timeout_s`` more for its
+        reply and their record (RFC 5321 §4.5.3.2.6, §6.1: cancelled, they would be sent
+        again)."""
         if not self._tasks:
             return
         _, pending = await asyncio.wait(self._tasks, timeout=self.settings.drain_timeout_s)
-        for task in pending:
+        sent = {t for t in pending if dot_sent(t)}
+        for task in pending - sent:
             task.cancel()
+        if sent:
+            _, late = await asyncio.wait(sent, timeout=self.settings.data_final_timeout_s)
+            for task in late:
+                task.cancel()
         if pending:
             await asyncio.wait(pending)
 

@@ -313,15 +313,16 @@ async def test_two_workers_never_send_twice(queue_harness: Harness) -> None:
 
 
 async def test_drain_gives_back_unfinished_work(queue_harness: Harness) -> None:
-    """STYLE.md habit 10 / SIGTERM: a worker stopped mid-delivery finishes within the
-    drain bound, then releases its lease and hands the item back for immediate delivery."""
+    """STYLE.md habit 10 / SIGTERM: a worker stopped mid-delivery (before the final dot)
+    finishes within the drain bound, then releases its lease and hands the item back for
+    immediate delivery."""
     h = queue_harness
     h.dns.add(
         "hang.example.test. 300 IN MX 10 mx.hang.example.test.\n"
         "mx.hang.example.test. 300 IN A 127.0.2.92\n"
     )
     h.configure(worker={"drain_timeout_s": 0.5, "lease_s": 600.0})
-    async with ScriptedMx("127.0.2.92", h.mx_port, end_of_data=SILENT) as mx:
+    async with ScriptedMx("127.0.2.92", h.mx_port, data=SILENT) as mx:
         qid = await h.submit(case_message("CASE-07"), ["u@hang.example.test"])
         w1 = h.worker()
         stop = asyncio.Event()
@@ -335,10 +336,38 @@ async def test_drain_gives_back_unfinished_work(queue_harness: Harness) -> None:
         e = await h.entry(qid)
         assert e is not None and e.leases == {}, "lease released"
         assert e.recipients[0].state is RecipientState.PENDING
-        mx.end_of_data = "250 2.0.0 ok"
+        mx.data = "354 go ahead"
         async with h.running():
             await eventually(lambda: gone(h, qid), 10, what="delivered after the drain")
     assert len(mx.delivered) == 1
+
+
+async def test_drain_waits_for_the_reply_to_a_final_dot_it_sent(queue_harness: Harness) -> None:
+    """RFC 5321 §4.5.3.2.6, §6.1: a worker stopped while it waits for the reply to its
+    final dot is not cancelled at the drain bound (the next hop may be taking the
+    message): the reply that comes after the bound is read and recorded, and the message
+    is never sent again."""
+    h = queue_harness
+    h.dns.add(
+        "slowdot.example.test. 300 IN MX 10 mx.slowdot.example.test.\n"
+        "mx.slowdot.example.test. 300 IN A 127.0.5.20\n"
+    )
+    h.configure(worker={"drain_timeout_s": 0.5, "lease_s": 600.0})
+    hold = asyncio.Event()
+    async with ScriptedMx("127.0.5.20", h.mx_port, hold=hold) as mx:
+        qid = await h.submit(case_message("CASE-07"), ["u@slowdot.example.test"])
+        stop = asyncio.Event()
+        task = asyncio.create_task(h.worker().run(stop))
+        await mx.wait_for(lambda: mx.held == 1)
+        stop.set()
+        await asyncio.sleep(1.5)  # past the drain bound, within data_final_timeout_s
+        assert not task.done(), "the drain waits for the reply to the dot"
+        hold.set()
+        await asyncio.wait_for(task, 10)
+        assert await h.entry(qid) is None, "delivered and recorded by the stopped worker"
+        async with h.running():
+            await asyncio.sleep(1.0)
+    assert len(mx.delivered) == 1 and mx.connections == 1
 
 
 async def test_25mb_message_streamed(queue_harness: Harness) -> None:

@@ -19,6 +19,7 @@ from jsqueue.config import TlsPolicy, WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope, DeliveryResult
 from jsqueue.delivery.body import BodyCache, aclose
 from jsqueue.delivery.commands import plan_transaction
+from jsqueue.delivery.committed import mark_dot_sent
 from jsqueue.delivery.connections import (
     CacheKey,
     ConnectionCache,
@@ -625,6 +626,7 @@ class OutboundSession:
             # reply cannot arrive before aiosmtplib expects it.
             protocol.write(held + stuffer.finish())
             dot_sent = True
+            mark_dot_sent()  # a drain now waits for the reply (RFC 5321 §6.1)
             response = await protocol.read_response(timeout=s.data_final_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError, ValueError) as e:
             abort_connection(self.smtp)
