@@ -107,6 +107,14 @@ BROKEN = {
     "rcpt-codes-differ": {"rcpt": "250-ok\n550 5.1.1 no"},
     "data-421": {"data": "421 4.3.2 closing"},
     "helo-too": {"ehlo": "502 5.5.1 no", "helo": "421 4.3.2 bye"},
+    "starttls-421": {
+        "extensions": ("PIPELINING", "STARTTLS"),
+        "hook": lambda _s, line: "421 4.3.2 bye" if line.upper() == "STARTTLS" else None,
+    },
+    "starttls-codes-differ": {
+        "extensions": ("PIPELINING", "STARTTLS"),
+        "hook": lambda _s, line: "220-go\n554 no" if line.upper() == "STARTTLS" else None,
+    },
 }
 
 
@@ -268,3 +276,27 @@ async def test_split_and_overlong_replies_keep_their_meaning(pipelining: bool) -
     assert (reply.code, reply.enhanced) == (550, "5.1.1") and len(reply.text) < 9000
     assert split.delivered == [good.address, bad.address], split.replies
     assert mx.pieces > 20
+
+
+async def test_421_to_the_final_dot_defers_at_that_mx() -> None:
+    """RFC 5321 §3.8, §4.2.5: a 421 to the final dot is a temporary failure of the
+    transaction: the recipient is deferred (not bounced) and the next MX is not tried (the
+    body went out), nor is the connection kept for reuse."""
+    first, second = "127.0.5.7", "127.0.5.8"
+    port = shared_port([first, second])
+    rcpt = Recipient.from_address("b@dot421.example.test")
+    async with (
+        ScriptedMx(first, port, end_of_data="421 4.3.0 shutting down") as one,
+        ScriptedMx(second, port) as two,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.dot421.example.test", address=first, preference=10),
+                MxTarget(host="mx2.dot421.example.test", address=second, preference=20),
+            ],
+            envelope(rcpt),
+            BodySource.from_bytes(MESSAGE),
+            settings_for(port),
+        )
+    assert result.deferred == [rcpt.address] and result.replies[rcpt.address].code == 421
+    assert two.connections == 0 and len(one.transactions) == 1
