@@ -413,7 +413,9 @@ class TestRecordThroughAnOutage:
         leaving the delivery unlogged, or unrecorded and sent again after the lease.)"""
         caplog.set_level(logging.INFO, logger="jsqueue.worker")
         h = queue_harness
-        h.configure(worker={"lease_s": 60.0, "presence_grace_s": 20.0})
+        # The record is tried through an outage for half the presence grace: 20 s, room
+        # for the outage and the nats-server's restart on a loaded machine.
+        h.configure(worker={"lease_s": 120.0, "presence_grace_s": 40.0})
         domain = "outage.example.test"
         h.dns.add(one_mx(domain, "127.0.2.26"))
         rcpt = f"u@{domain}"
