@@ -245,6 +245,40 @@ async def test_smtputf8_message_to_a_server_without_it_is_never_sent() -> None:
     assert not any(c.upper().startswith(("MAIL", "RCPT", "DATA")) for c in mx.commands)
 
 
+async def test_smtputf8_without_8bitmime_in_the_ehlo_takes_the_message_as_it_is() -> None:
+    """RFC 6531 §3.1: a server offering SMTPUTF8 supports 8BITMIME. One that forgets to
+    say so gets a message with UTF-8 in its header under SMTPUTF8, 8-bit as it is (no
+    BODY= parameter it did not offer); the 7-bit conversion cannot carry a UTF-8 header,
+    so the message used to bounce with 5.6.3."""
+    host = "127.0.5.7"
+    port = shared_port([host])
+    rcpt = Recipient.from_address("j\u00f6rg@utf8.example.test")
+    message = "From: J\u00f6rg <a@example.test>\r\nSubject: gr\u00fc\u00dfe\r\n\r\nh\u00e9\r\n"
+    env = DeliveryEnvelope(
+        domain=rcpt.domain,
+        reverse_path="a@example.test",
+        recipients=(rcpt,),
+        smtputf8=True,
+        body_8bit=True,
+    )
+    extensions = ["PIPELINING", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
+    async with ScriptedMx(
+        host, port, name="mx.utf8.example.test", extensions=extensions, smtputf8=True
+    ) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.utf8.example.test", address=host)],
+            env,
+            BodySource.from_bytes(message.encode()),
+            settings_for(port),
+        )
+    assert result.delivered == [rcpt.address], result.replies
+    (sent,) = mx.delivered
+    assert "SMTPUTF8" in sent.mail_params and not any(
+        p.startswith("BODY=") for p in sent.mail_params
+    )
+    assert sent.content == message.encode()
+
+
 @pytest.mark.parametrize("pipelining", [True, False])
 async def test_split_and_overlong_replies_keep_their_meaning(pipelining: bool) -> None:
     """RFC 5321 §4.2, §4.5.3.1.5: replies split into 3-octet TCP segments are read whole;

@@ -123,11 +123,13 @@ async def plan_transaction(
     if not paths:
         return Plan(replies=replies, mail=None)
 
-    # 8-bit body to a server without 8BITMIME: convert (RFC 6152 §3) or fail 5.6.3.
+    # 8-bit body to a server without 8BITMIME: convert (RFC 6152 §3) or fail 5.6.3. A
+    # transaction under SMTPUTF8 takes 8-bit text as it is: a server offering SMTPUTF8
+    # supports 8BITMIME (RFC 6531 §3.1), even when it forgets to say so.
     body_source: BodySource = body.source
     body_8bit = env.body_8bit
     converted = False
-    if body_8bit and "8bitmime" not in extensions:
+    if body_8bit and "8bitmime" not in extensions and not use_utf8:
         try:
             data = await body.converted()
         except ConversionError as e:
