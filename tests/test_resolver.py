@@ -242,6 +242,33 @@ async def test_mx_hosts_without_address() -> None:
         assert [t.address for t in await resolver.resolve("mixed.example.test")] == ["127.0.2.7"]
 
 
+async def test_an_mx_host_written_as_an_address_is_that_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """RFC 5321 §5.1 wants a name as the MX host, but zones carry ``MX 10 192.0.2.1.`` too.
+    Looked up as a name it has no address, and a domain with no other MX bounced with
+    ``5.4.4``; it is now used as the address it is (with a warning, as Postfix does), in
+    its preference order, and an unusable one (``0.0.0.0``) is still not."""
+    zone = """
+        ipmx.example.test.   300 IN MX 10 127.0.6.90.
+        ipmx.example.test.   300 IN MX 20 backup.example.test.
+        backup.example.test. 300 IN A 127.0.2.7
+        zeromx.example.test. 300 IN MX 10 0.0.0.0.
+    """
+    with DnsServer(zone) as dns:
+        resolver = resolver_for(dns)
+        targets = await resolver.resolve("ipmx.example.test")
+        assert [(t.host, t.address) for t in targets] == [
+            ("127.0.6.90", "127.0.6.90"),
+            ("backup.example.test", "127.0.2.7"),
+        ]
+        assert ("127.0.6.90", "A") not in dns.queried
+        assert "MX host of ipmx.example.test is the address 127.0.6.90" in caplog.text
+        with pytest.raises(PermanentDeliveryError) as perm:
+            await resolver.resolve("zeromx.example.test")
+        assert perm.value.reply.enhanced == "5.4.4"
+
+
 async def test_mx_addresses_that_reach_no_remote_server_are_not_used(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -212,7 +212,7 @@ class DnsResolver:
         targets: list[MxTarget] = []
         last_error: TemporaryDeliveryError | None = None
         for pref, host in hosts:
-            addresses, error = await self._addresses(host)
+            addresses, error = await self._exchange_addresses(host, name)
             if error is not None:
                 log.warning("MX host %s of %s: %s", host, name, error.reply.text)
                 last_error = error if isinstance(error, TemporaryDeliveryError) else last_error
@@ -297,6 +297,22 @@ class DnsResolver:
             seen.add(canonical)
             qname = canonical
         raise TemporaryDeliveryError(_reply(R451_DNS_TEMPFAIL, f"CNAME loop at {name}"))
+
+    async def _exchange_addresses(
+        self, host: str, domain: str
+    ) -> tuple[list[str], TemporaryDeliveryError | PermanentDeliveryError | None]:
+        """:meth:`_addresses` of an MX host, except one written as an IP address (RFC 5321
+        §5.1 wants a name there; its A lookup fails and the domain would bounce with
+        5.4.4): that address is used as it is, with a warning, as Postfix does."""
+        try:
+            ip = unmapped(host)
+        except ValueError:
+            return await self._addresses(host)
+        log.warning("MX host of %s is the address %s, not a name (RFC 5321 §5.1)", domain, host)
+        if not _usable(str(ip)):
+            why = f"MX host {host} is no remote address"
+            return [], PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, why))
+        return [str(ip)], None
 
     async def _addresses(
         self, host: str
