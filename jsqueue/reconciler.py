@@ -23,6 +23,7 @@ from jsqueue.config import ReconcilerSettings, Settings
 from jsqueue.envelope import Entry, WorkItem, utcnow
 from jsqueue.errors import (
     BodyNotFound,
+    EntryDeleted,
     EntryNotFound,
     JsqueueError,
     LockLost,
@@ -42,8 +43,8 @@ from jsqueue.store.jetstream.work import JetStreamScheduler
 
 log = logging.getLogger("jsqueue.reconciler")
 
-#: Entries read concurrently during a pass.
-READ_BATCH = 64
+#: Entries read at a time during a pass (one batched read, :meth:`EntryStore.get_many`).
+READ_BATCH = 256
 #: How long stopping waits for the lock release, seconds.
 RELEASE_TIMEOUT_S = 2.0
 #: A recovery pass due within this many seconds is made now (timers fire a little early).
@@ -390,7 +391,7 @@ class Reconciler:
         for i in range(0, len(to_read), READ_BATCH):
             await self._keep_lock()
             batch = to_read[i : i + READ_BATCH]
-            entries = await asyncio.gather(*(self._scan_read(qid) for qid in batch))
+            entries = await self._scan_reads(batch)
             report.entries_read += len(batch)
             for qid, entry in zip(batch, entries, strict=True):
                 if entry is None:
@@ -440,6 +441,29 @@ class Reconciler:
             return (await self.stores.entries.get(queue_id)).entry
         except EntryNotFound:
             return None
+
+    async def _scan_reads(self, queue_ids: list[str]) -> list[Entry | StoreError | None]:
+        """:meth:`_scan_read` of each id, in few requests (:meth:`EntryStore.get_many`): an
+        entry deleted (its marker still listed: most of the ids a pass reads under load,
+        the messages delivered since the last pass) costs no request of its own; only an
+        id missing altogether is read again, confirmed on the stream leader by
+        :meth:`_scan_read` (a replica catching up may not have a new entry yet).
+
+        Raises:
+            StoreUnavailable: a read failed.
+        """
+        read = await self.stores.entries.get_many(queue_ids)
+        out: list[Entry | StoreError | None] = []
+        for queue_id, got in zip(queue_ids, read, strict=True):
+            if isinstance(got, EntryDeleted):
+                out.append(None)
+            elif isinstance(got, EntryNotFound):
+                out.append(await self._scan_read(queue_id))
+            elif isinstance(got, StoreError):
+                out.append(got)
+            else:
+                out.append(got.entry)
+        return out
 
     async def _scan_read(self, queue_id: str) -> Entry | StoreError | None:
         """:meth:`_read`, with an unreadable entry (not an outage) as a value to report.

@@ -242,6 +242,27 @@ async def test_consistent_entries_are_left_alone(
     assert (await rec.run_once(full=True)).entries_read == 5
 
 
+async def test_delivered_entries_cost_a_pass_no_request_each(
+    queue_harness: Harness, make_reconciler: MakeReconciler
+) -> None:
+    """Under load most ids a pass reads are messages delivered since the last pass (their
+    delete markers stay listed): 300 of them are read in two batched requests, not a
+    direct get and a leader read each (600), and remembered as gone."""
+    h = queue_harness
+    rec: Reconciler = await make_reconciler()
+    for _ in range(300):
+        e = entry()
+        await h.stores.entries.delete(e.id, revision=await h.stores.entries.create(e))
+    entries = rec.stores.entries
+    assert isinstance(entries, JetStreamEntryStore)
+    before = entries._nc.stats["out_msgs"]
+    report = await rec.run_once(full=False)
+    sent = entries._nc.stats["out_msgs"] - before
+    assert report.entries_listed == 300 and report.entries_read == 300
+    assert sent <= 20, f"{sent} requests for a pass over 300 delete markers"
+    assert (await rec.run_once(full=False)).entries_read == 0
+
+
 async def test_orphan_bodies_and_chunks(
     queue_harness: Harness, nats_server: EmbeddedNats, make_reconciler: MakeReconciler
 ) -> None:

@@ -372,6 +372,32 @@ async def test_entry_delete(stores: Stores) -> None:
     assert (await stores.entries.get(entry.id)).revision == rev3
 
 
+async def test_get_many_answers_each_id_as_get_would(stores: Stores) -> None:
+    """A batched read: one item per id, in order (repeats too), each the entry and its
+    revision or the error ``get`` raises for it; an invalid id is refused as by ``get``."""
+    a, b, deleted = make_entry(), make_entry(), make_entry()
+    rev_a, rev_b = await stores.entries.create(a), await stores.entries.create(b)
+    await stores.entries.delete(deleted.id, revision=await stores.entries.create(deleted))
+    never = new_queue_id()
+    got = await stores.entries.get_many([a.id, deleted.id, never, b.id, a.id])
+    assert [type(g).__name__ for g in got] == [
+        "Versioned",
+        "EntryDeleted",
+        "EntryNotFound",
+        "Versioned",
+        "Versioned",
+    ]
+    assert got[0] == await stores.entries.get(a.id) and got[0] == got[4]
+    assert got[3] == await stores.entries.get(b.id)
+    assert [g.revision for g in (got[0], got[3]) if not isinstance(g, Exception)] == [
+        rev_a,
+        rev_b,
+    ]
+    assert await stores.entries.get_many([]) == []
+    with pytest.raises(InvalidName):
+        await stores.entries.get_many([a.id, "a.b"])
+
+
 async def test_entry_discard_leaves_no_trace(stores: Stores) -> None:
     """``discard`` (an ingest that failed after the entry was written): afterwards the id
     reads as never stored (EntryNotFound, not EntryDeleted), no page lists it, and it

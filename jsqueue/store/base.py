@@ -9,13 +9,13 @@ included; ``tests/test_store_contract.py`` runs one suite against both.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from jsqueue.envelope import Entry, EntryState, WorkItem
-from jsqueue.errors import EntryTooLarge, InvalidName
+from jsqueue.errors import EntryTooLarge, InvalidName, StoreError
 from jsqueue.pacing import Pacer
 from jsqueue.store.policies import PolicyCache
 
@@ -147,6 +147,18 @@ class EntryStore(Protocol):
             EntryNotFound: no entry under the id (not stored yet, or long gone).
             InvalidName: bad queue id.
             StoreUnavailable: the backend failed.
+        """
+        ...
+
+    async def get_many(self, queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        """Read many entries (repeats allowed) in few requests, for scans: per id, in order,
+        the entry and revision or the error :meth:`get` raises for it (:class:`EntryDeleted`,
+        :class:`EntryNotFound`, a :class:`StoreError` for a value that is no entry). A
+        snapshot: "not found" is not confirmed on the stream leader, so decide nothing on it
+        that :meth:`get` would not confirm; "deleted" holds (ids are never reused). Read-only.
+
+        Raises:
+            InvalidName: a bad queue id. StoreUnavailable: the backend failed.
         """
         ...
 

@@ -14,7 +14,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from datetime import datetime
 
 from jsqueue.envelope import Entry, EntryState, WorkItem, utcnow
@@ -25,6 +25,7 @@ from jsqueue.errors import (
     EntryExists,
     EntryNotFound,
     RevisionConflict,
+    StoreError,
 )
 from jsqueue.names import check_domain, check_queue_id
 from jsqueue.pacing import Pacer
@@ -165,6 +166,20 @@ class MemoryEntryStore:
                 raise EntryDeleted(queue_id) from None
             raise EntryNotFound(queue_id) from None
         return Versioned(Entry.from_json(data), rev)
+
+    async def get_many(self, queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        """See :meth:`EntryStore.get_many`.
+
+        Raises:
+            InvalidName: a bad queue id.
+        """
+        out: list[Versioned | StoreError] = []
+        for queue_id in queue_ids:
+            try:
+                out.append(await self.get(queue_id))
+            except StoreError as e:  # (InvalidName is not one: it is raised)
+                out.append(e)
+        return out
 
     async def update(self, entry: Entry, revision: int) -> int:
         """See :meth:`EntryStore.update`.

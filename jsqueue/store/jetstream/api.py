@@ -1,6 +1,7 @@
 """Talking to JetStream: the one API request helper, the one table of server error codes,
-publishing with retries, pipelined publishes whose refusals reach the caller, and the
-translation of nats errors into :class:`~jsqueue.errors.StoreUnavailable` at this boundary
+publishing with retries, pipelined publishes whose refusals reach the caller, batched direct
+gets (many subjects' last messages in one request), and the translation of nats errors
+into :class:`~jsqueue.errors.StoreUnavailable` at this boundary
 (``raise … from e``); every other module of :mod:`jsqueue.store.jetstream` goes through
 these (docs/architecture.md, "Storage on JetStream": why a failed write's outcome is
 unknown and how retries stay safe).
@@ -12,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -385,3 +387,138 @@ class PipelinedPublisher:
             )
             return
         fut.set_result(api.PubAck.from_response(resp))
+
+
+#: Subjects asked for in one batched direct get (nats-server answers ``413 Too Many
+#: Results`` above 1 024).
+DIRECT_BATCH = 256
+#: Octets one batched direct get may answer with: the server stops there and says how many
+#: messages it left out, which :meth:`DirectBatch.last` asks for again. Bounds what a batch
+#: of large entries (inline bodies) holds in memory at once.
+DIRECT_BATCH_BYTES = 4 << 20
+#: The first nats-server release that answers batched direct gets (ADR-31); an older one
+#: answers the first message only, so :class:`DirectBatch` is not used with it.
+DIRECT_BATCH_SINCE = (2, 11)
+
+
+@dataclass
+class _Batch:
+    """One batched direct get under way: the messages so far, and its outcome (messages,
+    and how many results the server left out)."""
+
+    done: asyncio.Future[tuple[list[api.RawStreamMsg], int]]
+    msgs: list[api.RawStreamMsg] = field(default_factory=list)
+
+
+def _raw_message(msg: Any) -> api.RawStreamMsg:
+    """A direct get's answer as the stored message (subject, sequence, data, headers)."""
+    headers = msg.headers or {}
+    raw = api.RawStreamMsg()
+    raw.subject = headers.get("Nats-Subject")
+    raw.seq = int(headers.get("Nats-Sequence", "0"))
+    raw.data = msg.data
+    raw.headers = headers
+    return raw
+
+
+class DirectBatch:
+    """The last message of many subjects of a stream in few requests: batched direct gets
+    (``multi_last``, nats-server >= 2.11; the stream must allow direct gets).
+
+    A scan of a KV bucket by one direct get per key costs one request (and its reply
+    handling on both sides) per key; here one request covers :data:`DIRECT_BATCH` keys.
+    Like every direct get it may be answered by a replica that has not applied the newest
+    writes: what it returns is a snapshot (a missing subject may exist on the leader).
+    Read-only, so safe to repeat.
+
+    Args:
+        nc: a connected client; the reply subscription is made at the first request and
+            kept (the client resubscribes it after a reconnect).
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._pending: dict[str, _Batch] = {}
+        self._count = 0
+
+    @property
+    def supported(self) -> bool:
+        """Whether the connected server answers batched direct gets
+        (:data:`DIRECT_BATCH_SINCE`)."""
+        try:
+            version = self._nc.connected_server_version
+            return (version.major, version.minor) >= DIRECT_BATCH_SINCE
+        except (AttributeError, TypeError, ValueError):  # not connected, or no version
+            return False
+
+    async def last(
+        self, stream: str, subjects: Sequence[str], timeout_s: float
+    ) -> dict[str, api.RawStreamMsg]:
+        """The last message of each of ``subjects`` (no wildcards) that has one.
+
+        Args:
+            stream: the stream's name.
+            subjects: subjects of the stream; asked for :data:`DIRECT_BATCH` at a time.
+            timeout_s: how long to wait for one request's whole answer, seconds.
+
+        Returns:
+            subject -> its last message; a subject without a message is absent.
+
+        Raises:
+            TimeoutError: a request was not answered in full within ``timeout_s``.
+            ApiError: the server refused a request (no such stream: 503; 413 …).
+            nats.errors.Error: the request could not be written (connection closed …).
+        """
+        found: dict[str, api.RawStreamMsg] = {}
+        for i in range(0, len(subjects), DIRECT_BATCH):
+            todo = list(dict.fromkeys(subjects[i : i + DIRECT_BATCH]))
+            while todo:
+                msgs, left = await self._request(stream, todo, timeout_s)
+                for msg in msgs:
+                    if msg.subject is not None:
+                        found[msg.subject] = msg
+                if left <= 0 or not msgs:
+                    break
+                todo = [s for s in todo if s not in found]
+        return found
+
+    async def _request(
+        self, stream: str, subjects: list[str], timeout_s: float
+    ) -> tuple[list[api.RawStreamMsg], int]:
+        if not self._prefix:
+            prefix = self._nc.new_inbox()
+            await self._nc.subscribe(f"{prefix}.*", cb=self._on_reply)
+            self._prefix = prefix
+        self._count += 1
+        token = str(self._count)
+        batch = _Batch(asyncio.get_running_loop().create_future())
+        self._pending[token] = batch
+        body = {"multi_last": subjects, "batch": len(subjects), "max_bytes": DIRECT_BATCH_BYTES}
+        try:
+            await self._nc.publish(
+                js_api_subject(f"DIRECT.GET.{stream}"),
+                json.dumps(body).encode(),
+                reply=f"{self._prefix}.{token}",
+            )
+            async with asyncio.timeout(timeout_s):
+                return await batch.done
+        finally:
+            self._pending.pop(token, None)
+
+    async def _on_reply(self, msg: Any) -> None:
+        batch = self._pending.get(msg.subject.rsplit(".", 1)[-1])
+        if batch is None or batch.done.done():
+            return
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status is None:
+            batch.msgs.append(_raw_message(msg))
+        elif status == "204":  # end of the batch; what it left out is pending
+            left = int(headers.get("Nats-Num-Pending", "0") or 0)
+            batch.done.set_result((batch.msgs, left))
+        elif status == "404":  # none of the subjects has a message
+            batch.done.set_result((batch.msgs, 0))
+        else:
+            text = headers.get(api.Header.DESCRIPTION) or headers.get("Description") or ""
+            batch.done.set_exception(ApiError({"code": status, "description": text}))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -27,6 +27,7 @@ from jsqueue.names import Names, check_queue_id, kv_subject_prefix, kv_subjects
 from jsqueue.pacing import Pacer
 from jsqueue.store.base import Versioned, encode_entry
 from jsqueue.store.jetstream.api import (
+    DIRECT_BATCH,
     HDR_EXPECTED_LAST_SUBJ_SEQ,
     HDR_KV_OP,
     HDR_MARKER_REASON,
@@ -34,6 +35,7 @@ from jsqueue.store.jetstream.api import (
     HDR_ROLLUP,
     HDR_TTL,
     PUBLISH_ATTEMPTS,
+    DirectBatch,
     is_wrong_last_seq,
     publish,
     stream_subjects,
@@ -43,8 +45,9 @@ from jsqueue.store.jetstream.api import (
 
 #: Lifetime of a KV delete marker, seconds: afterwards the key is simply absent.
 DELETE_MARKER_TTL_S = 900
-#: Concurrent direct gets when scanning the KV bucket.
-SCAN_BATCH = 64
+#: Keys read at a time when scanning the KV bucket: one batched direct get (or as many
+#: concurrent direct gets from a server older than 2.11).
+SCAN_BATCH = DIRECT_BATCH
 #: Octets of a KV write's headers (message id, expected revision) left out of the value
 #: size an entry may have.
 KV_HEADER_ROOM = 1024
@@ -72,7 +75,8 @@ class JetStreamEntryStore:
 
     Cost of the listing calls: :meth:`page` and :meth:`count_by_state` get the key list in
     one stream-info request (subjects filter; ~0.13 s and ~4 MB for 100k keys, paged by the
-    server at 100k), sort it, then read values by direct get, ``SCAN_BATCH`` at a time:
+    server at 100k), sort it, then read values ``SCAN_BATCH`` at a time, each batch by one
+    batched direct get (:class:`~jsqueue.store.jetstream.api.DirectBatch`):
     :meth:`page` only as many as it needs to fill the page, :meth:`count_by_state` all of
     them. Neither creates a consumer. Values changed during a scan are read as of the moment
     they are fetched (no snapshot).
@@ -90,6 +94,7 @@ class JetStreamEntryStore:
         self._nc = nc
         self._pre = kv_subject_prefix(self.bucket)
         self._timeout_s = timeout_s
+        self._batch = DirectBatch(nc)
 
     @property
     def max_value_size(self) -> int:
@@ -104,6 +109,17 @@ class JetStreamEntryStore:
                 )
             except nats.js.errors.NotFoundError:
                 return None
+
+    async def _last_many(self, queue_ids: Sequence[str]) -> dict[str, api.RawStreamMsg]:
+        """The last message of each key that has one (direct gets: not confirmed on the
+        stream leader), by batched direct get where the server has it."""
+        with translate(f"entries: read {len(queue_ids)}"):
+            if self._batch.supported:
+                subjects = [self._pre + q for q in queue_ids]
+                found = await self._batch.last(self.stream, subjects, self._timeout_s)
+                return {subject[len(self._pre) :]: msg for subject, msg in found.items()}
+        msgs = await asyncio.gather(*(self._last(q) for q in queue_ids))
+        return {q: m for q, m in zip(queue_ids, msgs, strict=True) if m is not None}
 
     async def _write(
         self, queue_id: str, data: bytes, headers: dict[str, str], last: int | None
@@ -203,6 +219,32 @@ class JetStreamEntryStore:
             raise EntryDeleted(queue_id)
         return self._decode(queue_id, msg)
 
+    async def get_many(self, queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        """See :meth:`EntryStore.get_many`: one batched direct get per
+        :data:`~jsqueue.store.jetstream.api.DIRECT_BATCH` ids (a replica may answer, and no
+        answer is confirmed on the stream leader).
+
+        Raises:
+            InvalidName: a bad queue id.
+            StoreUnavailable: a read failed.
+        """
+        for queue_id in queue_ids:
+            check_queue_id(queue_id)
+        msgs = await self._last_many(queue_ids)
+        out: list[Versioned | StoreError] = []
+        for queue_id in queue_ids:
+            msg = msgs.get(queue_id)
+            if msg is None:
+                out.append(EntryNotFound(queue_id))
+            elif _is_marker(msg):
+                out.append(EntryDeleted(queue_id))
+            else:
+                try:
+                    out.append(self._decode(queue_id, msg))
+                except StoreError as e:
+                    out.append(e)
+        return out
+
     async def update(self, entry: Entry, revision: int) -> int:
         """See :meth:`EntryStore.update`.
 
@@ -276,8 +318,9 @@ class JetStreamEntryStore:
             if pacer is not None:
                 await pacer.step()
             batch = keys[i : i + SCAN_BATCH]
-            msgs = await asyncio.gather(*(self._last(k) for k in batch))
-            for key, msg in zip(batch, msgs, strict=True):
+            msgs = await self._last_many(batch)
+            for key in batch:
+                msg = msgs.get(key)
                 if msg is not None and not _is_marker(msg):
                     yield self._decode(key, msg)
 
