@@ -159,8 +159,7 @@ class Worker:
                 seconds (burst mode, for tests and one-shot runs); None = run until stopped.
         """
         await self.take_name()
-        # The name its leases carry (``queue show``, ``queue flush``), once it is taken.
-        log.info("worker running, lease owner=%s", self.owner)
+        log.info("worker running, lease owner=%s", self.owner)  # as taken: what leases carry
         beats = asyncio.create_task(self._presence_beats())
         halt = asyncio.Event()  # slots are kept until the drain is over
         upkeep = asyncio.create_task(self.sites.run(halt)) if self.sites else None
@@ -191,8 +190,9 @@ class Worker:
                 with contextlib.suppress(TimeoutError):  # a timeout is just "try again"
                     await asyncio.wait_for(stop.wait(), 1.0)
                 continue
+            ahead = await cas.read_ahead(self.stores.entries, [d.item.queue_id for d in batch])
             for due in batch:
-                task = asyncio.create_task(self._handle(due))
+                task = asyncio.create_task(self._handle(due, ahead.get(due.item.queue_id)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             if batch or self._tasks:
@@ -260,9 +260,9 @@ class Worker:
 
     # ------------------------------------------------------------------ one item
 
-    async def _handle(self, due: Due) -> None:
+    async def _handle(self, due: Due, ahead: Versioned | None = None) -> None:
         try:
-            await self._process(due)
+            await self._process(due, ahead)
             self.handled += 1
         except asyncio.CancelledError:
             await asyncio.shield(self._give_back(due))
@@ -303,11 +303,11 @@ class Worker:
     def _policy(self, entry: Entry) -> RetryPolicy:
         return self.dsn_policy if entry.is_dsn or entry.reverse_path == "" else self.policy
 
-    async def _process(self, due: Due) -> None:
-        """:meth:`_check_claim`, and give back a site admission it did not use."""
+    async def _process(self, due: Due, ahead: Versioned | None = None) -> None:
+        """:meth:`_check_claim` (on ``ahead`` first, if read); give back an unused admission."""
         gate = Gate()
         try:
-            async with self._turns.working_on(due.item.queue_id) as turn:
+            async with self._turns.working_on(due.item.queue_id, ahead) as turn:
                 await self._check_claim(due, gate, turn)
         finally:
             if self.sites is not None and gate.admission is not None:

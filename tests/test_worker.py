@@ -12,6 +12,7 @@ import contextlib
 import email
 import email.policy
 import logging
+from collections.abc import Sequence
 from datetime import timedelta
 from email.message import EmailMessage
 
@@ -19,7 +20,7 @@ import pytest
 
 from jsqueue.admin import Admin
 from jsqueue.envelope import Entry, Recipient, RecipientState, WorkItem, utcnow
-from jsqueue.errors import BodyNotFound, RevisionConflict
+from jsqueue.errors import BodyNotFound, RevisionConflict, StoreError
 from jsqueue.events import Event, EventKind
 from jsqueue.metrics import Metrics
 from jsqueue.names import new_queue_id
@@ -776,7 +777,7 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
     h.dns.add("".join(one_mx(d, f"127.0.2.{21 + i}") for i, d in enumerate(domains)))
     entries = h.stores.entries
     assert isinstance(entries, JetStreamEntryStore)
-    update, delete, get = entries.update, entries.delete, entries.get
+    update, delete, get, get_many = entries.update, entries.delete, entries.get, entries.get_many
     refused: list[str] = []
     reads: list[str] = []
     test_task = asyncio.current_task()
@@ -785,6 +786,10 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
         if asyncio.current_task() is not test_task:  # the worker's, not this test's polls
             reads.append(queue_id)
         return await get(queue_id)
+
+    async def counted_get_many(queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        reads.extend(queue_ids)  # one batched read (the fetch's read-ahead)
+        return await get_many(queue_ids)
 
     async def counted_update(entry: Entry, revision: int) -> int:
         try:
@@ -803,6 +808,7 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
     monkeypatch.setattr(entries, "update", counted_update)
     monkeypatch.setattr(entries, "delete", counted_delete)
     monkeypatch.setattr(entries, "get", counted_get)
+    monkeypatch.setattr(entries, "get_many", counted_get_many)
     mxes = [SmtpdMx(f"127.0.2.{21 + i}", h.mx_port) for i in range(len(domains))]
     async with contextlib.AsyncExitStack() as stack:
         for mx in mxes:
@@ -818,6 +824,51 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
         assert writes == 6, "a claim and a record per domain"
         assert reads == [qid], "one read for the three claims"
         assert len(worker._turns) == 0, "nothing kept once the tasks are done"
+
+
+async def test_a_fetched_batch_reads_its_entries_in_one_request(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five messages waiting when the worker starts arrive in one fetch: their entries are
+    read in one batched read (EntryStore.get_many), not a read each, and each claim is
+    tried on that version (its compare-and-set checking it): all five are delivered with
+    no entry read of their own and no refused write."""
+    h = queue_harness
+    h.dns.add(one_mx("batch.example.test", "127.0.2.26"))
+    entries = h.stores.entries
+    assert isinstance(entries, JetStreamEntryStore)
+    get, get_many, update = entries.get, entries.get_many, entries.update
+    single: list[str] = []
+    batched: list[list[str]] = []
+    refused: list[int] = []
+    test_task = asyncio.current_task()
+
+    async def counted_get(queue_id: str) -> Versioned:
+        if asyncio.current_task() is not test_task:  # the worker's, not this test's polls
+            single.append(queue_id)
+        return await get(queue_id)
+
+    async def counted_get_many(queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        batched.append(list(queue_ids))
+        return await get_many(queue_ids)
+
+    async def counted_update(entry: Entry, revision: int) -> int:
+        try:
+            return await update(entry, revision)
+        except RevisionConflict:
+            refused.append(revision)
+            raise
+
+    monkeypatch.setattr(entries, "get", counted_get)
+    monkeypatch.setattr(entries, "get_many", counted_get_many)
+    monkeypatch.setattr(entries, "update", counted_update)
+    async with SmtpdMx("127.0.2.26", h.mx_port) as mx:
+        qids = [await h.submit(case_message("CASE-07"), ["u@batch.example.test"]) for _ in range(5)]
+        async with h.running() as (worker,):
+            await eventually(lambda: len(mx.delivered) == 5, what="all five delivered")
+            await eventually(lambda: worker.handled == 5, what="the items settled")
+    assert batched == [qids], "one read for the fetched batch"
+    assert single == [] and refused == []
 
 
 async def test_outcomes_are_recorded_through_many_concurrent_writers(
