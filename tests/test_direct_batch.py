@@ -8,14 +8,17 @@ import math
 
 import pytest
 
+from jsqueue.config import NatsSettings
 from jsqueue.envelope import Entry
-from jsqueue.errors import EntryDeleted, EntryNotFound, StoreError
+from jsqueue.errors import EntryDeleted, EntryNotFound, StoreError, StoreUnavailable
 from jsqueue.names import new_queue_id
+from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.base import Stores, Versioned
-from jsqueue.store.jetstream import api
+from jsqueue.store.cas import read_ahead
+from jsqueue.store.jetstream import api, connect_nats
 from jsqueue.store.jetstream.api import DIRECT_BATCH, DirectBatch
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
-from support.nats import make_entry
+from support.nats import make_entry, unique_names
 
 
 def store_of(stores: Stores) -> JetStreamEntryStore:
@@ -115,3 +118,22 @@ async def test_a_server_without_batches_is_read_one_get_each(
     assert [g for g in single if isinstance(g, Versioned)] == [
         g for g in batched if isinstance(g, Versioned)
     ]
+
+
+async def test_no_stream_is_an_outage_not_an_answer(
+    nats_server: EmbeddedNats, nats_settings: NatsSettings
+) -> None:
+    """A batch to a stream that is not there (no responders: 503, as during a lost
+    leader) is a StoreUnavailable of the read, never "not found" for every id; the
+    worker's read-ahead then leaves each item to its own read."""
+    nc = await connect_nats(nats_settings, [nats_server.url])
+    try:
+        with pytest.raises(api.ApiError) as refused:
+            await DirectBatch(nc).last("NO_SUCH_STREAM", ["$KV.x.a", "$KV.x.b"], 5.0)
+        assert refused.value.code == 503
+        entries = JetStreamEntryStore(nc, unique_names())  # its bucket was never made
+        with pytest.raises(StoreUnavailable):
+            await entries.get_many([new_queue_id(), new_queue_id()])
+        assert await read_ahead(entries, [new_queue_id(), new_queue_id()]) == {}
+    finally:
+        await nc.close()

@@ -25,7 +25,7 @@ from jsqueue.envelope import Entry
 from jsqueue.errors import (
     EntryDeleted,
     EntryNotFound,
-    InvalidName,
+    JsqueueError,
     RevisionConflict,
     StoreUnavailable,
 )
@@ -252,7 +252,7 @@ async def read_ahead(entries: EntryStore, queue_ids: Sequence[str]) -> dict[str,
         return {}
     try:
         read = await entries.get_many(ids)
-    except (StoreUnavailable, InvalidName) as e:
+    except (JsqueueError, TimeoutError, OSError) as e:
         log.debug("read ahead of %d entries failed (%s); each is read alone", len(ids), e)
         return {}
     return {v.entry.id: v for v in read if isinstance(v, Versioned)}

@@ -22,6 +22,7 @@ from jsqueue.errors import (
     EntryNotFound,
     RevisionConflict,
     StoreError,
+    StoreUnavailable,
 )
 from jsqueue.names import Names, check_queue_id, kv_subject_prefix, kv_subjects
 from jsqueue.pacing import Pacer
@@ -35,6 +36,7 @@ from jsqueue.store.jetstream.api import (
     HDR_ROLLUP,
     HDR_TTL,
     PUBLISH_ATTEMPTS,
+    ApiError,
     DirectBatch,
     is_wrong_last_seq,
     publish,
@@ -112,11 +114,19 @@ class JetStreamEntryStore:
 
     async def _last_many(self, queue_ids: Sequence[str]) -> dict[str, api.RawStreamMsg]:
         """The last message of each key that has one (direct gets: not confirmed on the
-        stream leader), by batched direct get where the server has it."""
-        with translate(f"entries: read {len(queue_ids)}"):
+        stream leader), by batched direct get where the server has it.
+
+        Raises:
+            StoreUnavailable: a read failed, timed out or was refused (no stream).
+        """
+        what = f"entries: read {len(queue_ids)}"
+        with translate(what):
             if self._batch.supported:
                 subjects = [self._pre + q for q in queue_ids]
-                found = await self._batch.last(self.stream, subjects, self._timeout_s)
+                try:
+                    found = await self._batch.last(self.stream, subjects, self._timeout_s)
+                except ApiError as e:  # no stream (503: no responders), or refused
+                    raise StoreUnavailable(f"{what}: {e}") from e
                 return {subject[len(self._pre) :]: msg for subject, msg in found.items()}
         msgs = await asyncio.gather(*(self._last(q) for q in queue_ids))
         return {q: m for q, m in zip(queue_ids, msgs, strict=True) if m is not None}
