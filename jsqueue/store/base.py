@@ -151,14 +151,14 @@ class EntryStore(Protocol):
         ...
 
     async def get_many(self, queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
-        """Read many entries (repeats allowed) in few requests, for scans: per id, in order,
-        the entry and revision or the error :meth:`get` raises for it (:class:`EntryDeleted`,
-        :class:`EntryNotFound`, a :class:`StoreError` for a value that is no entry). A
-        snapshot: "not found" is not confirmed on the stream leader, so decide nothing on it
-        that :meth:`get` would not confirm; "deleted" holds (ids are never reused). Read-only.
+        """Many entries (repeats allowed) in few requests, for scans: per id, in order, the
+        entry or the error :meth:`get` raises for it (a :class:`StoreError` for a value that
+        is no entry). A read-only snapshot: "not found" is not confirmed on the stream leader
+        (confirm it by :meth:`get`); "deleted" holds, as ids are never reused.
 
         Raises:
-            InvalidName: a bad queue id. StoreUnavailable: the backend failed.
+            InvalidName: a bad queue id.
+            StoreUnavailable: the backend failed.
         """
         ...
 
