@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -27,6 +27,9 @@ from jsqueue.errors import StoreFull, StoreUnavailable, reason
 from jsqueue.names import js_api_subject
 
 log = logging.getLogger("jsqueue.store.jetstream")
+
+#: What waits for a reply in an :class:`_Inbox`.
+W = TypeVar("W")
 
 #: Tries of a publish that timed out (same Nats-Msg-Id each time); the retries go on for
 #: this many request timeouts in all (:func:`publish`).
@@ -314,7 +317,46 @@ async def publish(
     raise unavailable(what, last) from last
 
 
-class PipelinedPublisher:
+class _Inbox(Generic[W]):
+    """Replies to many requests on one wildcard subscription of the connection, told apart
+    by a token at the end of the reply subject (``<inbox>.<n>``); what waits for each
+    reply is kept under its token until the subclass's :meth:`_on_reply` settles it.
+
+    Args:
+        nc: a connected client; the subscription is made at the first request and kept
+            (the client resubscribes it after a reconnect).
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._pending: dict[str, W] = {}
+        self._count = 0
+
+    async def _reply_to(self, waiter: W) -> tuple[str, str]:
+        """A new token for ``waiter`` and the reply subject that carries it.
+
+        Raises:
+            nats.errors.Error: the subscription could not be made.
+        """
+        if not self._prefix:
+            prefix = self._nc.new_inbox()
+            await self._nc.subscribe(f"{prefix}.*", cb=self._on_reply)
+            self._prefix = prefix
+        self._count += 1
+        token = str(self._count)
+        self._pending[token] = waiter
+        return token, f"{self._prefix}.{token}"
+
+    def _waiter(self, msg: Any) -> W | None:
+        """What waits for the reply ``msg`` (None: nobody any more)."""
+        return self._pending.get(msg.subject.rsplit(".", 1)[-1])
+
+    async def _on_reply(self, msg: Any) -> None:
+        raise NotImplementedError
+
+
+class PipelinedPublisher(_Inbox[asyncio.Future[api.PubAck]]):
     """Publishes to streams without waiting for each ack: :meth:`publish` writes the
     message (in call order on the one connection) and returns a future of its
     acknowledgement.
@@ -330,12 +372,6 @@ class PipelinedPublisher:
             kept (the client resubscribes it after a reconnect).
     """
 
-    def __init__(self, nc: NATS) -> None:
-        self._nc = nc
-        self._prefix = ""
-        self._pending: dict[str, asyncio.Future[api.PubAck]] = {}
-        self._count = 0
-
     async def publish(
         self, subject: str, payload: bytes, headers: dict[str, str] | None = None
     ) -> asyncio.Future[api.PubAck]:
@@ -344,26 +380,18 @@ class PipelinedPublisher:
         Raises:
             nats.errors.Error: the write itself failed (connection closed ...).
         """
-        if not self._prefix:
-            prefix = self._nc.new_inbox()
-            await self._nc.subscribe(f"{prefix}.*", cb=self._on_reply)
-            self._prefix = prefix
-        self._count += 1
-        token = str(self._count)
         fut: asyncio.Future[api.PubAck] = asyncio.get_running_loop().create_future()
-        self._pending[token] = fut
+        token, reply = await self._reply_to(fut)
         fut.add_done_callback(lambda _: self._pending.pop(token, None))
         try:
-            await self._nc.publish(
-                subject, payload, reply=f"{self._prefix}.{token}", headers=headers
-            )
+            await self._nc.publish(subject, payload, reply=reply, headers=headers)
         except BaseException:
             fut.cancel()
             raise
         return fut
 
     async def _on_reply(self, msg: Any) -> None:
-        fut = self._pending.get(msg.subject.rsplit(".", 1)[-1])
+        fut = self._waiter(msg)
         if fut is None or fut.done():
             return
         status = (msg.headers or {}).get("Status")
@@ -421,7 +449,7 @@ def _raw_message(msg: Any) -> api.RawStreamMsg:
     return raw
 
 
-class DirectBatch:
+class DirectBatch(_Inbox[_Batch]):
     """The last message of many subjects of a stream in few requests: batched direct gets
     (``multi_last``, nats-server >= 2.11; the stream must allow direct gets).
 
@@ -435,12 +463,6 @@ class DirectBatch:
         nc: a connected client; the reply subscription is made at the first request and
             kept (the client resubscribes it after a reconnect).
     """
-
-    def __init__(self, nc: NATS) -> None:
-        self._nc = nc
-        self._prefix = ""
-        self._pending: dict[str, _Batch] = {}
-        self._count = 0
 
     @property
     def supported(self) -> bool:
@@ -486,20 +508,12 @@ class DirectBatch:
     async def _request(
         self, stream: str, subjects: list[str], timeout_s: float
     ) -> tuple[list[api.RawStreamMsg], int]:
-        if not self._prefix:
-            prefix = self._nc.new_inbox()
-            await self._nc.subscribe(f"{prefix}.*", cb=self._on_reply)
-            self._prefix = prefix
-        self._count += 1
-        token = str(self._count)
         batch = _Batch(asyncio.get_running_loop().create_future())
-        self._pending[token] = batch
+        token, reply = await self._reply_to(batch)
         body = {"multi_last": subjects, "batch": len(subjects), "max_bytes": DIRECT_BATCH_BYTES}
         try:
             await self._nc.publish(
-                js_api_subject(f"DIRECT.GET.{stream}"),
-                json.dumps(body).encode(),
-                reply=f"{self._prefix}.{token}",
+                js_api_subject(f"DIRECT.GET.{stream}"), json.dumps(body).encode(), reply=reply
             )
             async with asyncio.timeout(timeout_s):
                 return await batch.done
@@ -507,7 +521,7 @@ class DirectBatch:
             self._pending.pop(token, None)
 
     async def _on_reply(self, msg: Any) -> None:
-        batch = self._pending.get(msg.subject.rsplit(".", 1)[-1])
+        batch = self._waiter(msg)
         if batch is None or batch.done.done():
             return
         headers = msg.headers or {}
