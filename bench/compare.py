@@ -357,8 +357,14 @@ class JsqueueSystem(System):
         else:
             self.smtp = JsqueueProcess(["smtp"], env, self.workdir / "smtp.log").start()
             self.worker = JsqueueProcess(["worker"], env, self.workdir / "worker.log").start()
+        # a name of its own per extra worker process, as each pod has (namesakes on one
+        # host would wait for each other's presence beat first)
         self.extra_workers = [
-            JsqueueProcess(["worker"], env, self.workdir / f"worker{i}.log").start()
+            JsqueueProcess(
+                ["worker"],
+                {**env, "JSQUEUE_WORKER__LEASE_OWNER": f"worker{i}"},
+                self.workdir / f"worker{i}.log",
+            ).start()
             for i in range(2, self.workers + 1)
         ]
         self.port = int(self.smtp.wait_for_log(r"listening on [\d.]+:(\d+)").group(1))

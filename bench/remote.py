@@ -132,8 +132,12 @@ def run_jsqueue(
             sender=SENDER,
             recipient=f"sink@{DOMAIN}",
         )
+        # A name of its own per worker process, as each pod has: namesakes on one host
+        # would wait for each other's presence beat (worker.presence_grace_s / 3) first.
         workers = [
-            JsqueueProcess(["worker"], wenv, workdir / f"worker{i}.log").start()
+            JsqueueProcess(
+                ["worker"], {**wenv, "JSQUEUE_WORKER__LEASE_OWNER": f"w{i}"}, workdir / f"w{i}.log"
+            ).start()
             for i in range(n_workers)
         ]
         meter = CpuMeter([system.nats.pid, system.smtp.pid, *(w.pid for w in workers)])
