@@ -4,7 +4,10 @@ Counted on the real nats-server connection, not timed."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -14,7 +17,7 @@ from jsqueue.errors import EntryDeleted, EntryNotFound, StoreError, StoreUnavail
 from jsqueue.names import new_queue_id
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.base import Stores, Versioned
-from jsqueue.store.cas import read_ahead
+from jsqueue.store.cas import READ_AHEAD_TIMEOUT_S, read_ahead
 from jsqueue.store.jetstream import api, connect_nats
 from jsqueue.store.jetstream.api import DIRECT_BATCH, DirectBatch
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
@@ -137,3 +140,24 @@ async def test_no_stream_is_an_outage_not_an_answer(
         assert await read_ahead(entries, [new_queue_id(), new_queue_id()]) == {}
     finally:
         await nc.close()
+
+
+async def test_a_read_ahead_that_hangs_is_given_up_at_once(
+    mem_stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's fetch loop waits for the read-ahead of a batch: a read that hangs (an
+    outage: a node lost, an election) is given up after READ_AHEAD_TIMEOUT_S, not a whole
+    request timeout, and each item is then read by its own task."""
+    made = [make_entry() for _ in range(3)]
+    for e in made:
+        await mem_stores.entries.create(e)
+    assert set(await read_ahead(mem_stores.entries, [e.id for e in made])) == {e.id for e in made}
+
+    async def hangs(queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(mem_stores.entries, "get_many", hangs)
+    started = time.monotonic()
+    assert await read_ahead(mem_stores.entries, [e.id for e in made]) == {}
+    assert time.monotonic() - started < READ_AHEAD_TIMEOUT_S + 1.0

@@ -235,14 +235,23 @@ async def change(
     raise AssertionError("unreachable: versions() raises when its tries run out")
 
 
-async def read_ahead(entries: EntryStore, queue_ids: Sequence[str]) -> dict[str, Versioned]:
+#: Longest wait for :func:`read_ahead`, seconds: a batch of entries normally takes a
+#: millisecond or two; longer means an outage (a lost node, an election), where the fetch
+#: loop that waits for it must not stall for a whole request timeout.
+READ_AHEAD_TIMEOUT_S = 0.5
+
+
+async def read_ahead(
+    entries: EntryStore, queue_ids: Sequence[str], timeout_s: float = READ_AHEAD_TIMEOUT_S
+) -> dict[str, Versioned]:
     """The entries of a fetched batch of work items in one read
     (:meth:`EntryStore.get_many`), to try each item's claim on first: its compare-and-set
     tells whether the version was still current (a stale one costs the read the item would
     have made anyway). Under load a fetch brings several items, and this saves a request
     per item but one. Nothing for a single id (its task reads it as before), for an entry
     not found (its task reads it, confirmed on the stream leader), or when the read fails
-    (each task reads its own). Read-only; never raises.
+    or takes longer than ``timeout_s`` seconds (each task reads its own). Read-only; never
+    raises.
 
     Returns:
         queue id -> the version read, for the entries found.
@@ -251,7 +260,8 @@ async def read_ahead(entries: EntryStore, queue_ids: Sequence[str]) -> dict[str,
     if len(ids) < 2:
         return {}
     try:
-        read = await entries.get_many(ids)
+        async with asyncio.timeout(timeout_s):
+            read = await entries.get_many(ids)
     except (JsqueueError, TimeoutError, OSError) as e:
         log.debug("read ahead of %d entries failed (%s); each is read alone", len(ids), e)
         return {}
