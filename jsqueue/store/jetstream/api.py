@@ -489,8 +489,12 @@ class DirectBatch(_Inbox[_Batch]):
 
         Raises:
             TimeoutError: a request was not answered in full within ``timeout_s``.
-            ApiError: the server refused a request (no such stream: 503; 413 …).
+            nats.js.errors.NoStreamResponseError: no such stream (no responders, 503), as
+                :class:`PipelinedPublisher` reports it.
+            nats.js.errors.APIError: the server refused a request otherwise (413 …).
             nats.errors.Error: the request could not be written (connection closed …).
+            All of them are :data:`NATS_FAILURES`, which :func:`translate` turns into
+            StoreUnavailable.
         """
         found: dict[str, api.RawStreamMsg] = {}
         for i in range(0, len(subjects), DIRECT_BATCH):
@@ -533,6 +537,8 @@ class DirectBatch(_Inbox[_Batch]):
             batch.done.set_result((batch.msgs, left))
         elif status == "404":  # none of the subjects has a message
             batch.done.set_result((batch.msgs, 0))
+        elif status == "503":  # no responders: no such stream
+            batch.done.set_exception(nats.js.errors.NoStreamResponseError())
         else:
             text = headers.get(api.Header.DESCRIPTION) or headers.get("Description") or ""
-            batch.done.set_exception(ApiError({"code": status, "description": text}))
+            batch.done.set_exception(nats.js.errors.APIError(code=int(status), description=text))

@@ -22,7 +22,6 @@ from jsqueue.errors import (
     EntryNotFound,
     RevisionConflict,
     StoreError,
-    StoreUnavailable,
 )
 from jsqueue.names import Names, check_queue_id, kv_subject_prefix, kv_subjects
 from jsqueue.pacing import Pacer
@@ -36,7 +35,6 @@ from jsqueue.store.jetstream.api import (
     HDR_ROLLUP,
     HDR_TTL,
     PUBLISH_ATTEMPTS,
-    ApiError,
     DirectBatch,
     is_wrong_last_seq,
     publish,
@@ -119,15 +117,11 @@ class JetStreamEntryStore:
         Raises:
             StoreUnavailable: a read failed, timed out or was refused (no stream).
         """
-        what = f"entries: read {len(queue_ids)}"
-        with translate(what):
-            if self._batch.supported:
-                subjects = [self._pre + q for q in queue_ids]
-                try:
-                    found = await self._batch.last(self.stream, subjects, self._timeout_s)
-                except ApiError as e:  # no stream (503: no responders), or refused
-                    raise StoreUnavailable(f"{what}: {e}") from e
-                return {subject[len(self._pre) :]: msg for subject, msg in found.items()}
+        if self._batch.supported:
+            subjects = [self._pre + q for q in queue_ids]
+            with translate(f"entries: read {len(queue_ids)}"):
+                found = await self._batch.last(self.stream, subjects, self._timeout_s)
+            return {subject[len(self._pre) :]: msg for subject, msg in found.items()}
         msgs = await asyncio.gather(*(self._last(q) for q in queue_ids))
         return {q: m for q, m in zip(queue_ids, msgs, strict=True) if m is not None}
 
