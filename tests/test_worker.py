@@ -13,6 +13,7 @@ import email
 import email.policy
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from email.message import EmailMessage
 
@@ -763,6 +764,55 @@ async def test_delivered_entry_is_removed_by_the_compare_and_set_that_records_it
             await h.stores.bodies.info(qid)
 
 
+@dataclass
+class EntryCalls:
+    """What the worker asked of the entry store (the test's own polls not counted)."""
+
+    single: list[str] = field(default_factory=list)  # get, one id each
+    batched: list[list[str]] = field(default_factory=list)  # get_many (the read-ahead)
+    refused: list[str] = field(default_factory=list)  # writes a compare-and-set refused
+
+    def reads(self) -> list[str]:
+        """Every id read, batched or not, in order."""
+        return self.single + [q for batch in self.batched for q in batch]
+
+
+def count_entry_calls(monkeypatch: pytest.MonkeyPatch, entries: JetStreamEntryStore) -> EntryCalls:
+    """Count the reads and refused writes the worker makes on ``entries``."""
+    calls = EntryCalls()
+    test_task = asyncio.current_task()
+    get, get_many, update, delete = entries.get, entries.get_many, entries.update, entries.delete
+
+    async def counted_get(queue_id: str) -> Versioned:
+        if asyncio.current_task() is not test_task:  # the worker's, not this test's polls
+            calls.single.append(queue_id)
+        return await get(queue_id)
+
+    async def counted_get_many(queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
+        calls.batched.append(list(queue_ids))
+        return await get_many(queue_ids)
+
+    async def counted_update(entry: Entry, revision: int) -> int:
+        try:
+            return await update(entry, revision)
+        except RevisionConflict:
+            calls.refused.append(f"update at {revision}")
+            raise
+
+    async def counted_delete(queue_id: str, revision: int | None = None) -> None:
+        try:
+            await delete(queue_id, revision)
+        except RevisionConflict:
+            calls.refused.append(f"delete at {revision}")
+            raise
+
+    monkeypatch.setattr(entries, "get", counted_get)
+    monkeypatch.setattr(entries, "get_many", counted_get_many)
+    monkeypatch.setattr(entries, "update", counted_update)
+    monkeypatch.setattr(entries, "delete", counted_delete)
+    return calls
+
+
 async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
     queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -777,38 +827,7 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
     h.dns.add("".join(one_mx(d, f"127.0.2.{21 + i}") for i, d in enumerate(domains)))
     entries = h.stores.entries
     assert isinstance(entries, JetStreamEntryStore)
-    update, delete, get, get_many = entries.update, entries.delete, entries.get, entries.get_many
-    refused: list[str] = []
-    reads: list[str] = []
-    test_task = asyncio.current_task()
-
-    async def counted_get(queue_id: str) -> Versioned:
-        if asyncio.current_task() is not test_task:  # the worker's, not this test's polls
-            reads.append(queue_id)
-        return await get(queue_id)
-
-    async def counted_get_many(queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
-        reads.extend(queue_ids)  # one batched read (the fetch's read-ahead)
-        return await get_many(queue_ids)
-
-    async def counted_update(entry: Entry, revision: int) -> int:
-        try:
-            return await update(entry, revision)
-        except RevisionConflict:
-            refused.append(f"update at {revision}")
-            raise
-
-    async def counted_delete(queue_id: str, revision: int | None = None) -> None:
-        try:
-            await delete(queue_id, revision)
-        except RevisionConflict:
-            refused.append(f"delete at {revision}")
-            raise
-
-    monkeypatch.setattr(entries, "update", counted_update)
-    monkeypatch.setattr(entries, "delete", counted_delete)
-    monkeypatch.setattr(entries, "get", counted_get)
-    monkeypatch.setattr(entries, "get_many", counted_get_many)
+    calls = count_entry_calls(monkeypatch, entries)
     mxes = [SmtpdMx(f"127.0.2.{21 + i}", h.mx_port) for i in range(len(domains))]
     async with contextlib.AsyncExitStack() as stack:
         for mx in mxes:
@@ -819,10 +838,10 @@ async def test_one_messages_domains_do_not_race_each_other_in_one_worker(
             await eventually(lambda: gone(h, qid), what="delivered and removed")
             await eventually(lambda: worker.handled == 3, what="the items settled")
         assert [len(mx.delivered) for mx in mxes] == [1, 1, 1]
-        assert refused == []
+        assert calls.refused == []
         writes = (await entries.js.stream_info(entries.stream)).state.last_seq - created
         assert writes == 6, "a claim and a record per domain"
-        assert reads == [qid], "one read for the three claims"
+        assert calls.reads() == [qid], "one read for the three claims"
         assert len(worker._turns) == 0, "nothing kept once the tasks are done"
 
 
@@ -837,38 +856,14 @@ async def test_a_fetched_batch_reads_its_entries_in_one_request(
     h.dns.add(one_mx("batch.example.test", "127.0.2.26"))
     entries = h.stores.entries
     assert isinstance(entries, JetStreamEntryStore)
-    get, get_many, update = entries.get, entries.get_many, entries.update
-    single: list[str] = []
-    batched: list[list[str]] = []
-    refused: list[int] = []
-    test_task = asyncio.current_task()
-
-    async def counted_get(queue_id: str) -> Versioned:
-        if asyncio.current_task() is not test_task:  # the worker's, not this test's polls
-            single.append(queue_id)
-        return await get(queue_id)
-
-    async def counted_get_many(queue_ids: Sequence[str]) -> list[Versioned | StoreError]:
-        batched.append(list(queue_ids))
-        return await get_many(queue_ids)
-
-    async def counted_update(entry: Entry, revision: int) -> int:
-        try:
-            return await update(entry, revision)
-        except RevisionConflict:
-            refused.append(revision)
-            raise
-
-    monkeypatch.setattr(entries, "get", counted_get)
-    monkeypatch.setattr(entries, "get_many", counted_get_many)
-    monkeypatch.setattr(entries, "update", counted_update)
+    calls = count_entry_calls(monkeypatch, entries)
     async with SmtpdMx("127.0.2.26", h.mx_port) as mx:
         qids = [await h.submit(case_message("CASE-07"), ["u@batch.example.test"]) for _ in range(5)]
         async with h.running() as (worker,):
             await eventually(lambda: len(mx.delivered) == 5, what="all five delivered")
             await eventually(lambda: worker.handled == 5, what="the items settled")
-    assert batched == [qids], "one read for the fetched batch"
-    assert single == [] and refused == []
+    assert calls.batched == [qids], "one read for the fetched batch"
+    assert calls.single == [] and calls.refused == []
 
 
 async def test_outcomes_are_recorded_through_many_concurrent_writers(
