@@ -67,14 +67,21 @@ async def test_many_entries_cost_one_request_per_batch(js_stores: Stores) -> Non
 
 
 async def test_count_by_state_scans_in_batches(js_stores: Stores) -> None:
-    """The depth scan (and a page of the dashboard's list) reads the bucket a batch per
-    request: 300 entries, one key listing and two reads."""
+    """The depth scan reads the bucket a batch per request: 300 entries, one key listing
+    and two reads. A page (``queue ls``, the dashboard's list) reads a batch of its own
+    size, not the scan's."""
     entries = store_of(js_stores)
     await stored(js_stores, 300)
     before = requests_sent(entries)
     counts = await entries.count_by_state()
     assert sum(counts.values()) == 300
     assert requests_sent(entries) - before == 1 + math.ceil(300 / DIRECT_BATCH)
+    before, received = requests_sent(entries), int(entries._nc.stats["in_msgs"])
+    page = await entries.page(limit=10)
+    assert len(page) == 10
+    assert requests_sent(entries) - before == 2, "a key listing and one batch"
+    # the listing's answer, the page's 10 entries and the batch's end: not 256 entries
+    assert int(entries._nc.stats["in_msgs"]) - received == 1 + 10 + 1
 
 
 async def test_a_batch_cut_at_its_byte_bound_is_asked_for_again(

@@ -314,14 +314,14 @@ class JetStreamEntryStore:
         return sorted(s[len(self._pre) :] for s in found)
 
     async def _scan(
-        self, after: str | None, pacer: Pacer | None = None
+        self, after: str | None, pacer: Pacer | None = None, batch_size: int = SCAN_BATCH
     ) -> AsyncGenerator[Versioned, None]:
         keys = await self.keys()
         start = bisect.bisect_right(keys, after) if after is not None else 0
-        for i in range(start, len(keys), SCAN_BATCH):
+        for i in range(start, len(keys), batch_size):
             if pacer is not None:
                 await pacer.step()
-            batch = keys[i : i + SCAN_BATCH]
+            batch = keys[i : i + batch_size]
             msgs = await self._last_many(batch)
             for key in batch:
                 msg = msgs.get(key)
@@ -335,7 +335,8 @@ class JetStreamEntryStore:
         out: list[Versioned] = []
         if limit < 1:
             return out
-        scan = self._scan(after)
+        # a batch no larger than the page: a page of 50 does not read 256 entries
+        scan = self._scan(after, batch_size=min(SCAN_BATCH, limit))
         try:
             async for v in scan:
                 if state is None or v.entry.state == state:
