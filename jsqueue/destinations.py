@@ -15,7 +15,12 @@ What is shared, per site (keys in :mod:`jsqueue.names`):
 * GCRA buckets ``rate.<site>.msg`` / ``rate.<site>.conn``: one theoretical arrival time
   each, advanced by compare-and-set.
 * the site state ``site.<site>``: consecutive connection failures, the dead-site cool-off
-  (RFC 5321 §4.5.4.1), the throttle after a 421 (§4.2.2, §4.5.3.2).
+  (RFC 5321 §4.5.4.1), the throttle after a 421 (§4.2.2, §4.5.3.2), and the *demand* of
+  workers that found no slot to take: while others want the site, a worker keeps at most
+  its fair share of the slots (:func:`jsqueue.limits.fair_share`), closes idle sessions
+  over it and gives their slots up, and the wanting workers keep their items at hand
+  (waiting for a slot, looking for a free one every :data:`FULL_MEMO_S`) instead of
+  putting them back.
 * ``probe.<site>``: the one worker probing a site whose cool-off ran out.
 
 Hot path: a delivery that reuses a slot this worker holds costs no round trip; the site
@@ -32,71 +37,39 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 
-from jsqueue import limits, state
+from jsqueue import limits
+from jsqueue.admission import Admission, site_down_reply
 from jsqueue.config import DestinationSettings, Rate
 from jsqueue.delivery.base import Attempt
-from jsqueue.envelope import utcnow
-from jsqueue.errors import DeliveryError, EntryTooLarge, RevisionConflict, StoreUnavailable
+from jsqueue.errors import DeliveryError, StoreUnavailable
 from jsqueue.events import NULL_OBSERVER, Event, EventKind, Observer
 from jsqueue.limits import SiteSnapshot, SiteState, SiteStatus
 from jsqueue.names import probe_key, rate_key, site_key, slot_key
-from jsqueue.replies import R451_SITE_DOWN, Reply
-from jsqueue.retry import MIN_DELAY_S
-from jsqueue.store import layout
-from jsqueue.store.base import DestinationStore, Due, Stores, Versioned
+from jsqueue.replies import Reply
+from jsqueue.store.base import DestinationStore
 
-__all__ = ["Admission", "Destinations", "Gate", "put_back", "site_down_reply"]
+__all__ = ["Destinations"]
 
 log = logging.getLogger("jsqueue.destinations")
 
 #: Seconds a worker remembers that every slot of a site was taken before it scans again.
 FULL_MEMO_S = 0.5
-#: Refusals of a full site in a row after which a worker's put-back delay grows by another
-#: ``full_delay_s`` (up to :data:`FULL_BACKOFF_MAX` times it): a worker that holds no slot of
-#: a busy site touches its items less and less often, and the one holding the slots gets them.
-FULL_STREAK_STEP = 20
-FULL_BACKOFF_MAX = 4
+#: Seconds a delivery is assumed to hold its session unit before one was measured here.
+HOLD_GUESS_S = 0.1
+#: Weight of the newest measurement in a site's average hold time (an exponential mean).
+HOLD_WEIGHT = 0.1
 #: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
 SITE_NAME_TTL_S = 300.0
 #: Compare-and-set tries on a site state or rate bucket before giving up for this time.
 CAS_TRIES = 5
 #: Put-back delay of an item whose site is being probed by another worker, seconds.
 PROBE_WAIT_S = 2.0
-
-
-def site_down_reply(site: str, until: datetime) -> Reply:
-    """The reply recorded for mail deferred without connecting because its site is down:
-    ``451 4.4.1 site <site> down until <time>`` (RFC 5321 §4.5.4.1; RFC 3463 4.4.1 "no
-    answer from host"). Pure."""
-    stamp = until.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return R451_SITE_DOWN.model_copy(
-        update={"text": f"{R451_SITE_DOWN.text}: site {site} down until {stamp}"}
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """The answer to :meth:`Destinations.admit`.
-
-    Attributes:
-        site: the site the domain counts against.
-        go: deliver now (a session unit is reserved: call :meth:`Destinations.done`).
-        delay_s: when not ``go``, seconds to put the item back for (jittered); it is not a
-            delivery attempt.
-        reason: ``full``, ``rate``, ``down`` or ``probing`` when not ``go``; empty otherwise.
-        reply: for ``down``: the 451 4.4.1 reply to record for the deferred recipients.
-        probe: ``go`` as the one probe of a dead site whose cool-off ran out.
-    """
-
-    site: str
-    go: bool
-    delay_s: float = 0.0
-    reason: str = ""
-    reply: Reply | None = None
-    probe: bool = False
+#: A worker's demand for a site (:func:`jsqueue.limits.want`) stands this many times
+#: ``state_refresh_s``: long enough that every holder reads it at its next refresh.
+DEMAND_REFRESHES = 3
 
 
 @dataclass
@@ -116,7 +89,9 @@ class _Site:
     probe_rev: int | None = None
     used_at: float = 0.0
     deferred: dict[str, int] = field(default_factory=dict)
-    full_streak: int = 0
+    hold_s: float = HOLD_GUESS_S  # mean time a delivery held its unit here
+    paced_until: float = 0.0  # loop time: the last item put back as full is offered again
+    scan: asyncio.Lock = field(default_factory=asyncio.Lock)  # one slot scan at a time
 
 
 class Destinations:
@@ -154,6 +129,9 @@ class Destinations:
         #: site -> (idle sessions kept by the connection cache, sessions being closed);
         #: set by the composition to the deliverer's count, so idle sessions keep slots.
         self.idle_sessions: Callable[[str], tuple[int, int]] = lambda site: (0, 0)
+        #: (site, n) -> close up to n idle sessions of the site (they count as being
+        #: closed until their QUIT completes); set by the composition to the deliverer's.
+        self.shed_sessions: Callable[[str, int], None] = lambda site, n: None
         self._sites: dict[str, _Site] = {}
         self._names: dict[str, tuple[str, float]] = {}
 
@@ -239,8 +217,12 @@ class Destinations:
                 return await self._admit(site)
         limit = s.sessions_of(site.name)
         allowed = limits.allowed_sessions(state, limit, now, s.throttle_grow_s)
-        if not await self._unit(site, allowed):
+        share = limits.fair_share(allowed, state, self.owner, now)
+        if len(site.slots) > share:
+            await self._trim(site, share)
+        if not await self._unit(site, allowed, share):
             await self._drop_probe(site, probe)
+            await self._want(site)
             return self._defer(site, "full", self._full_delay(site))
         idle, _ = self.idle_sessions(site.name)
         checks: list[tuple[str, Rate | None]] = [("msg", s.message_rate_of(site.name))]
@@ -256,12 +238,18 @@ class Destinations:
                 self._free(site)
                 await self._drop_probe(site, probe)
                 return self._defer(site, "rate", wait + self.rng.uniform(0, max(1.0, wait)))
-        return Admission(site.name, True, probe=probe)
+        return Admission(site.name, True, probe=probe, at=asyncio.get_running_loop().time())
 
     def _full_delay(self, site: _Site) -> float:
-        site.full_streak += 1
-        factor = min(FULL_BACKOFF_MAX, 1 + site.full_streak // FULL_STREAK_STEP)
-        return self._jitter(self.settings.full_delay_s * factor, spread=1.0)
+        """Put-back delay of an item of a full site: paced by the site's turnover here
+        (:func:`jsqueue.limits.full_put_back`), at most ``full_delay_s``, jittered by
+        up to a tenth."""
+        now = asyncio.get_running_loop().time()
+        allowed, _ = self._limits(site)
+        site.paced_until = limits.full_put_back(
+            now, site.paced_until, site.waiters, site.hold_s, allowed, self.settings.full_delay_s
+        )
+        return self._jitter(site.paced_until - now, spread=0.1)
 
     def early(self, domain: str) -> Admission | None:
         """A refusal known without a round trip (no entry read, no bucket access): the
@@ -271,13 +259,25 @@ class Destinations:
         site = self._sites.get(self.site_known(domain))
         if site is None or asyncio.get_running_loop().time() >= site.full_until:
             return None
-        s = self.settings
-        allowed = limits.allowed_sessions(
-            site.state, s.sessions_of(site.name), self.clock(), s.throttle_grow_s
-        )
-        if self._has_unit(site, allowed) or site.waiters < max(1, len(site.slots)):
+        allowed, share = self._limits(site)
+        if self._has_unit(site, allowed) or site.waiters < self._max_waiters(site, share):
             return None
         return self._defer(site, "full", self._full_delay(site))
+
+    def _limits(self, site: _Site) -> tuple[int, int]:
+        """(sessions allowed, this worker's fair share of them) by the state last read."""
+        s, now = self.settings, self.clock()
+        allowed = limits.allowed_sessions(
+            site.state, s.sessions_of(site.name), now, s.throttle_grow_s
+        )
+        return allowed, limits.fair_share(allowed, site.state, self.owner, now)
+
+    @staticmethod
+    def _max_waiters(site: _Site, share: int) -> int:
+        """Deliveries that may wait for a unit of ``site`` here: as many as the slots this
+        worker holds, or as its fair share when that is more (the slots it may still
+        get); at least one."""
+        return max(1, len(site.slots), share)
 
     def _defer(
         self, site: _Site, reason: str, delay_s: float, reply: Reply | None = None
@@ -285,20 +285,24 @@ class Destinations:
         site.deferred[reason] = site.deferred.get(reason, 0) + 1
         return Admission(site.name, False, max(0.05, delay_s), reason, reply)
 
-    async def _unit(self, site: _Site, allowed: int) -> bool:
+    async def _unit(self, site: _Site, allowed: int, share: int) -> bool:
         """Reserve a session unit: a slot this worker holds and no session of its own
-        uses, else a new slot; wait up to ``slot_wait_s`` for one of ours to free when
-        this site's waiters are fewer than its slots here."""
+        uses, else a new slot. Wait up to ``slot_wait_s`` (while this site's waiters here
+        are fewer than :meth:`_max_waiters`) for one of ours to free, and, while this
+        worker holds less than its fair share, for a slot another worker gives up (looked
+        for every :data:`FULL_MEMO_S`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.slot_wait_s
         while True:
             if self._has_unit(site, allowed) or await self._take_slot(site, allowed):
                 site.active += 1
-                site.full_streak = 0
                 return True
             remaining = deadline - loop.time()
-            if remaining <= 0 or site.waiters >= max(1, len(site.slots)):
+            if remaining <= 0 or site.waiters >= self._max_waiters(site, share):
                 return False
+            if len(site.slots) < min(share, allowed):  # others hold what we may have
+                await self._want(site)
+                remaining = min(remaining, max(0.01, site.full_until - loop.time()))
             site.waiters += 1
             site.freed.clear()
             try:
@@ -323,6 +327,11 @@ class Destinations:
         loop = asyncio.get_running_loop()
         if loop.time() < site.full_until:
             return False
+        async with site.scan:  # the waiters of a site scan one after another, not at once
+            return loop.time() >= site.full_until and await self._scan(site, allowed)
+
+    async def _scan(self, site: _Site, allowed: int) -> bool:
+        loop = asyncio.get_running_loop()
         free = [n for n in range(allowed) if n not in site.slots]
         self.rng.shuffle(free)
         value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
@@ -341,9 +350,27 @@ class Destinations:
         site.full_until = loop.time() + FULL_MEMO_S
         return False
 
+    def session_reused(self, site_name: str) -> None:
+        """An idle session of ``site_name`` was taken for reuse: deliveries waiting for a
+        unit look again (an admitted delivery counts apart from the idle session it is to
+        take until it takes it; waiting for the next delivery to end instead held a
+        single worker's first second at a third of its rate)."""
+        site = self._sites.get(site_name)
+        if site is not None and site.waiters:
+            site.freed.set()
+
     def _free(self, site: _Site) -> None:
         site.active = max(0, site.active - 1)
         site.freed.set()
+
+    async def _want(self, site: _Site) -> None:
+        """Make this worker's demand for ``site`` known (at most one write per
+        ``DEMAND_REFRESHES * state_refresh_s / 2``); best effort: a lost write is made at
+        a later refusal."""
+        ttl_s = DEMAND_REFRESHES * self.settings.state_refresh_s
+        now = self.clock()
+        with contextlib.suppress(StoreUnavailable):
+            await self._change(site, lambda st: limits.want(st, self.owner, now, ttl_s))
 
     async def _rate(self, site: _Site, kind: str, rate: Rate) -> float:
         """Take one event from ``site``'s GCRA bucket ``kind``; 0 when taken, else seconds
@@ -456,6 +483,9 @@ class Destinations:
             return
         site = self._site(admission.site)
         self._free(site)
+        if attempt is not None and admission.at > 0:
+            held = asyncio.get_running_loop().time() - admission.at
+            site.hold_s += HOLD_WEIGHT * (held - site.hold_s)
         try:
             if attempt is not None:
                 await self._feedback(site, attempt)
@@ -463,6 +493,9 @@ class Destinations:
             log.warning("site %s: could not record feedback: %s", site.name, e)
         finally:
             await self._drop_probe(site, admission.probe)
+            _, share = self._limits(site)
+            if len(site.slots) > share:  # others want the site: give the surplus up
+                await self._trim(site, share)
             if site.waiters:
                 site.freed.set()
 
@@ -512,7 +545,7 @@ class Destinations:
         cleared = limits.after_success(state)
         s = self.settings
         if limits.throttle_worn_off(cleared, s.sessions_of(site), self.clock(), s.throttle_grow_s):
-            cleared = SiteState()
+            cleared = replace(cleared, throttle_limit=None, throttled_until=None)
         return cleared
 
     def _event(self, kind: EventKind, site: str, state: SiteState, reply: Reply | None) -> None:
@@ -538,10 +571,19 @@ class Destinations:
 
     # ------------------------------------------------------------------ upkeep
 
-    async def _trim(self, site: _Site) -> None:
+    async def _trim(self, site: _Site, share: int | None = None) -> None:
         """Release slots no session of this worker needs (those at or over the allowed
-        limit first); wake a waiter when one is left over."""
+        limit first); wake a waiter when one is left over. With ``share`` (others want
+        the site), keep at most that many: idle sessions over it are closed first (their
+        slots go at a later trim, once their QUIT completed), and waiters do not count."""
         needed = self._needed(site) + site.waiters
+        if share is not None:
+            in_use = self._needed(site)
+            idle, _ = self.idle_sessions(site.name)
+            shed = min(idle, in_use - share)
+            if shed > 0:
+                self.shed_sessions(site.name, shed)
+            needed = max(min(needed, share), in_use)
         for n in sorted(site.slots)[needed:]:  # the lowest numbers are kept
             rev = site.slots.pop(n, None)
             if rev is None:  # another task of ours released it meanwhile
@@ -576,14 +618,38 @@ class Destinations:
             if idle and not site.slots and not site.active and not site.waiters:
                 self._sites.pop(site.name, None)
 
+    async def rebalance(self) -> None:
+        """Give up the slots over this worker's fair share of every site others want,
+        also when no delivery of its own reads the site's state any more (it is read at
+        most once per ``state_refresh_s``, and only for a site this worker holds more
+        than one slot of): idle sessions over the share are closed, and their slots
+        given up at a later call, once their QUIT completed. Called every
+        :data:`FULL_MEMO_S` by :meth:`run`; never raises for an unreachable bucket."""
+        for site in list(self._sites.values()):
+            if len(site.slots) > 1:
+                try:
+                    await self._state(site)
+                except StoreUnavailable:
+                    continue
+            _, share = self._limits(site)
+            if len(site.slots) > share:
+                await self._trim(site, share)
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Renew and trim slots until ``stop`` is set, then release every slot."""
+        """Renew and trim slots (every third of ``slot_ttl_s``) and :meth:`rebalance`
+        (every :data:`FULL_MEMO_S`) until ``stop`` is set, then release every slot."""
+        loop = asyncio.get_running_loop()
         interval = max(0.5, self.settings.slot_ttl_s / 3)
+        renew_at = loop.time() + interval
         try:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), interval)
-                await self.renew()
+                    await asyncio.wait_for(stop.wait(), FULL_MEMO_S)
+                if loop.time() >= renew_at:
+                    renew_at = loop.time() + interval
+                    await self.renew()
+                else:
+                    await self.rebalance()
         finally:
             await self.close()
 
@@ -615,71 +681,3 @@ class Destinations:
                 )
             )
         return out
-
-
-@dataclass
-class Gate:
-    """The admission one work item holds between :meth:`Destinations.admit` and
-    :meth:`Destinations.done` (None before, and after it was handed back)."""
-
-    admission: Admission | None = None
-
-
-async def put_back(
-    stores: Stores,
-    due: Due,
-    v: Versioned,
-    admission: Admission,
-    source: str,
-    deadline: datetime | None = None,
-) -> None:
-    """Put a work item that was not admitted back, without a delivery attempt: NAK with
-    the admission's delay. For a dead site (RFC 5321 §4.5.4.1) the open recipients of the
-    item's domain first get the ``451 4.4.1 … site down until …`` reply and the end of the
-    cool-off as their next attempt, by compare-and-set (a lost one is not retried: the
-    item is put back all the same, and the entry shows the reply at the next deferral).
-    A cool-off that ends after the message's ``deadline`` (the end of its lifetime) puts
-    it back until the deadline only: the worker then makes the final try, or expires it
-    while the site is still down, at the deadline and not a cool-off later.
-
-    Raises:
-        StoreUnavailable: the NAK failed (the item comes back after the ack wait).
-    """
-    item = due.item
-    delay_s = admission.delay_s
-    if admission.reply is not None:
-        now = utcnow()
-        until = now + timedelta(seconds=delay_s)
-        if deadline is not None and deadline < until:
-            until = max(deadline, now + timedelta(seconds=MIN_DELAY_S))
-            delay_s = (until - now).total_seconds()
-        new = state.site_deferred(v.entry, item.domain, admission.reply, until)
-        if new is not None:
-            with contextlib.suppress(RevisionConflict, EntryTooLarge, StoreUnavailable):
-                await layout.update_entry(stores, new, v.revision)
-        log.info(
-            "queue=%s domain=%s outcome=deferred reply=%r next=%s (%s)",
-            item.queue_id,
-            item.domain,
-            str(admission.reply),
-            until.isoformat(),
-            source,
-            extra={
-                "queue_id": item.queue_id,
-                "domain": item.domain,
-                "outcome": "deferred",
-                "reply": str(admission.reply),
-                "next_attempt_at": until,
-                "site": admission.site,
-            },
-        )
-    else:
-        log.debug(
-            "queue %s %s: site %s %s; back in %.1f s",
-            item.queue_id,
-            item.domain,
-            admission.site,
-            admission.reason,
-            admission.delay_s,
-        )
-    await due.retry(delay_s)

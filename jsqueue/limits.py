@@ -8,6 +8,7 @@ GCRA rate limit on a theoretical arrival time, the concurrency a site is allowed
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,12 +25,16 @@ __all__ = [
     "after_success",
     "after_throttle",
     "allowed_sessions",
+    "competing",
+    "fair_share",
+    "full_put_back",
     "gcra",
     "is_connection_failure",
     "is_throttle",
     "site_for",
     "status",
     "throttle_worn_off",
+    "want",
 ]
 
 #: Words in the text of a 4yz reply that say the receiver throttles us (RFC 5321 §4.2 leaves
@@ -146,20 +151,26 @@ class SiteState:
         throttle_limit: sessions allowed while throttled (the concurrency after a 421 or a
             throttling 4yz reply); None when not throttled.
         throttled_until: Unix seconds at which the throttle starts to wear off.
+        demand: workers that found every slot they could take taken and still have mail
+            for the site, as (owner, Unix seconds until which the demand stands), sorted
+            by owner (:func:`want`); the holders of the slots give up those over their
+            fair share (:func:`fair_share`).
     """
 
     failures: int = 0
     down_until: float | None = None
     throttle_limit: int | None = None
     throttled_until: float | None = None
+    demand: tuple[tuple[str, float], ...] = ()
 
-    def to_json(self) -> dict[str, float | int | None]:
+    def to_json(self) -> dict[str, float | int | dict[str, float] | None]:
         """A JSON-ready dict (the KV value)."""
         return {
             "failures": self.failures,
             "down_until": self.down_until,
             "throttle_limit": self.throttle_limit,
             "throttled_until": self.throttled_until,
+            "demand": dict(self.demand),
         }
 
     @classmethod
@@ -175,17 +186,29 @@ class SiteState:
 
         failures = num("failures")
         limit = num("throttle_limit")
+        raw = value.get("demand")
+        demand = sorted(
+            (str(owner), float(until))
+            for owner, until in (raw.items() if isinstance(raw, dict) else ())
+            if isinstance(until, int | float) and not isinstance(until, bool)
+        )
         return cls(
             failures=int(failures or 0),
             down_until=num("down_until"),
             throttle_limit=None if limit is None else max(1, int(limit)),
             throttled_until=num("throttled_until"),
+            demand=tuple(demand),
         )
 
     @property
     def is_clear(self) -> bool:
-        """No failure counted and no throttle: the state need not be stored at all."""
-        return self.failures == 0 and self.down_until is None and self.throttle_limit is None
+        """No failure counted, no throttle and no demand: the state need not be stored."""
+        return (
+            self.failures == 0
+            and self.down_until is None
+            and self.throttle_limit is None
+            and not self.demand
+        )
 
 
 def status(state: SiteState, now_s: float, threshold: int) -> SiteStatus:
@@ -248,6 +271,63 @@ def throttle_worn_off(state: SiteState, limit: int, now_s: float, grow_s: float)
     if state.throttle_limit is None:
         return False
     return allowed_sessions(replace(state, failures=0), limit, now_s, grow_s) >= limit
+
+
+def want(state: SiteState, owner: str, now_s: float, ttl_s: float) -> SiteState:
+    """``owner`` has mail for the site and found no slot it could take: its demand stands
+    until ``now_s + ttl_s``; demands that ran out are dropped. ``state`` itself (nothing to
+    write) while the owner's demand still stands for more than half of ``ttl_s``, so that a
+    worker refused again and again writes at most once per ``ttl_s / 2``. Pure."""
+    live = {o: u for o, u in state.demand if u > now_s}
+    if live.get(owner, now_s) - now_s > ttl_s / 2:
+        return state
+    live[owner] = now_s + ttl_s
+    return replace(state, demand=tuple(sorted(live.items())))
+
+
+def competing(state: SiteState, owner: str, now_s: float) -> int:
+    """Workers sharing the site's slots as ``owner`` sees it at ``now_s``: itself and every
+    other worker whose demand (:func:`want`) still stands. Pure."""
+    return 1 + sum(1 for o, until in state.demand if o != owner and until > now_s)
+
+
+def fair_share(allowed: int, state: SiteState, owner: str, now_s: float) -> int:
+    """The session slots ``owner`` may keep while others want the site: ``allowed`` split
+    evenly between the competing workers (:func:`competing`), rounded up, at least 1;
+    ``allowed`` itself when nobody else wants the site. A worker that holds more gives the
+    rest up as its sessions end, so that several workers with mail for one site share
+    its sessions instead of one holding them while the others put their mail back.
+    Pure."""
+    return max(1, math.ceil(allowed / competing(state, owner, now_s)))
+
+
+def full_put_back(
+    now_s: float, paced_until: float, ahead: int, hold_s: float, units: int, longest_s: float
+) -> float:
+    """When to offer again an item put back because its site is full here: paced at the rate
+    this worker's units of the site turn over, one item per ``hold_s / units`` seconds,
+    after the ``ahead`` deliveries waiting for a unit here and after the item put back
+    before it (``paced_until``), and at most ``longest_s`` from now. An item is offered
+    again about when a unit could take it, neither at once (each offer costs a fetch and a
+    put-back, and a backlog of a slow site would be offered many times a second) nor after
+    a fixed delay much longer than the site takes to drain (the last of a burst would wait
+    for it). Pure.
+
+    Args:
+        now_s: now, seconds (any clock; ``paced_until`` uses the same one).
+        paced_until: the time returned for the item put back before, or anything up to
+            ``now_s`` for none.
+        ahead: deliveries of the site waiting for a unit in this worker.
+        hold_s: how long a delivery holds its unit, seconds (> 0).
+        units: session slots this worker holds of the site (at least 1 is assumed).
+
+    Returns:
+        the time to offer the item again, in ``(now_s, now_s + longest_s]``; it is also
+        the ``paced_until`` of the next one.
+    """
+    step = hold_s / max(1, units)
+    at = max(now_s + ahead * step, paced_until) + step
+    return min(at, now_s + longest_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,6 +134,8 @@ def build_worker(
     )
     if sites is not None:
         sites.idle_sessions = deliverer.idle_sessions
+        sites.shed_sessions = deliverer.shed_idle
+        deliverer.session_reused = sites.session_reused
     return Worker(
         cached,
         deliverer,

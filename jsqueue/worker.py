@@ -3,8 +3,7 @@
 through a :class:`~jsqueue.delivery.base.Deliverer`, record each recipient's reply by
 compare-and-set, finish (DSNs owed, removal) and only then settle the item. The state
 transitions are :mod:`jsqueue.state`'s, the body layout :mod:`jsqueue.store.layout`'s, the
-compare-and-set loop :mod:`jsqueue.store.cas`'s; ``docs/architecture.md`` (Delivery) tells
-the whole story.
+compare-and-set loop :mod:`jsqueue.store.cas`'s; ``docs/architecture.md`` (Delivery) says all.
 """
 
 from __future__ import annotations
@@ -22,11 +21,12 @@ from functools import partial
 from typing import Protocol
 
 from jsqueue import state
+from jsqueue.admission import Gate, put_back
 from jsqueue.attempt_log import log_attempt, log_cut_further, log_expired
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
 from jsqueue.delivery.committed import dot_sent
-from jsqueue.destinations import Destinations, Gate, put_back
+from jsqueue.destinations import Destinations
 from jsqueue.envelope import Entry, utcnow
 from jsqueue.errors import (
     EntryNotFound,

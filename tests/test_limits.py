@@ -13,12 +13,13 @@ import random
 import pytest
 
 from jsqueue import limits
+from jsqueue.admission import site_down_reply
 from jsqueue.config import DestinationSettings, Settings, parse_rate
 from jsqueue.delivery.base import Attempt
-from jsqueue.destinations import FULL_MEMO_S, Destinations, site_down_reply
+from jsqueue.destinations import FULL_MEMO_S, Destinations
 from jsqueue.events import Event, EventKind
 from jsqueue.limits import SiteState, SiteStatus
-from jsqueue.names import key_token, site_of_key, slot_key, token_text
+from jsqueue.names import key_token, site_key, site_of_key, slot_key, token_text
 from jsqueue.replies import R451_CONNECT_FAILED, Reply
 from jsqueue.store.base import Keyed, Stores
 from jsqueue.store.memory import MemoryDestinations
@@ -170,6 +171,56 @@ def test_site_down_reply_names_site_and_time() -> None:
     assert "site example.test down until 2026-01-02T03:04:05Z" in reply.text
 
 
+# --------------------------------------------------------------------------- fair shares
+
+
+def test_site_state_keeps_demand_through_json() -> None:
+    st = SiteState(failures=1, demand=(("w0", 12.0), ("w1", 13.5)))
+    assert SiteState.from_json(st.to_json()) == st
+    assert not SiteState(demand=(("w0", 1.0),)).is_clear  # a demand alone is stored
+    odd = SiteState.from_json({"demand": {"w0": "soon", "w1": 3, "w2": True}})
+    assert odd.demand == (("w1", 3.0),)
+    assert SiteState.from_json({"demand": ["w0"]}).demand == ()
+
+
+def test_want_writes_at_most_once_per_half_ttl_and_drops_expired_demand() -> None:
+    st = limits.want(SiteState(demand=(("old", 99.0),)), "w0", 100.0, 3.0)
+    assert st.demand == (("w0", 103.0),)  # the demand that ran out is gone
+    assert limits.want(st, "w0", 101.0, 3.0) is st  # 2 s of 3 left: nothing to write
+    again = limits.want(st, "w0", 101.6, 3.0)
+    assert again.demand == (("w0", 104.6),)
+    both = limits.want(again, "w1", 102.0, 3.0)
+    assert [o for o, _ in both.demand] == ["w0", "w1"]
+
+
+def test_fair_share_splits_the_allowed_sessions_between_competing_workers() -> None:
+    st = SiteState(demand=(("w1", 110.0), ("w2", 110.0), ("gone", 90.0)))
+    assert limits.competing(st, "w0", 100.0) == 3  # itself, w1 and w2; "gone" ran out
+    assert limits.competing(st, "w1", 100.0) == 2  # itself (once) and w2
+    assert limits.fair_share(20, st, "w0", 100.0) == 7  # rounded up
+    assert limits.fair_share(20, SiteState(), "w0", 100.0) == 20  # nobody else wants it
+    assert limits.fair_share(2, st, "w0", 100.0) == 1  # at least one
+    assert limits.fair_share(20, st, "w0", 111.0) == 20  # every other demand ran out
+
+
+def test_full_put_back_paces_items_at_the_turnover_rate() -> None:
+    """20 units turning over every 0.1 s take an item every 5 ms: a burst of 100 items
+    put back is offered again over 0.5 s, each 5 ms after the one before, behind the
+    deliveries already waiting; never later than the longest delay."""
+    now, paced = 1000.0, 0.0
+    offers = []
+    for _ in range(100):
+        paced = limits.full_put_back(now, paced, 0, 0.1, 20, 30.0)
+        offers.append(paced - now)
+    assert offers[0] == pytest.approx(0.005)
+    assert offers[-1] == pytest.approx(0.5)
+    assert all(b - a == pytest.approx(0.005) for a, b in itertools.pairwise(offers))
+    behind = limits.full_put_back(now, 0.0, 10, 0.1, 20, 30.0)
+    assert behind - now == pytest.approx(0.055)  # after the 10 waiting for a unit here
+    assert limits.full_put_back(now, now + 29.99, 0, 0.1, 1, 30.0) == now + 30.0
+    assert limits.full_put_back(now, 0.0, 0, 0.1, 0, 30.0) - now == pytest.approx(0.1)
+
+
 # --------------------------------------------------------------------------- Destinations
 
 
@@ -282,6 +333,130 @@ async def test_message_rate_is_shared() -> None:
     assert not second.go and second.reason == "rate"
     clock.now += 0.5
     assert (await b.admit("x.test")).go
+
+
+class _Sessions:
+    """The deliverer's connection cache as the destination limits see it: idle sessions
+    per site, and the ones it was asked to close (they stay "closing" until
+    :meth:`quit_done`)."""
+
+    def __init__(self) -> None:
+        self.idle: dict[str, int] = {}
+        self.closing: dict[str, int] = {}
+
+    def count(self, site: str) -> tuple[int, int]:
+        return self.idle.get(site, 0), self.closing.get(site, 0)
+
+    def shed(self, site: str, n: int) -> None:
+        n = min(n, self.idle.get(site, 0))
+        self.idle[site] = self.idle.get(site, 0) - n
+        self.closing[site] = self.closing.get(site, 0) + n
+
+    def quit_done(self, site: str) -> None:
+        self.closing[site] = 0
+
+
+async def _slots_of(store: MemoryDestinations, owner: str) -> int:
+    held = 0
+    for key in await store.keys("slot."):
+        value = (await store.get(key)).value
+        held += value is not None and value.get("owner") == owner
+    return held
+
+
+async def test_holder_gives_slots_over_its_fair_share_to_a_worker_that_wants_the_site() -> None:
+    """Two workers, 4 sessions: a holds all 4; b finds none and makes its demand known; a
+    keeps its 4 sessions busy, and gives up a slot as each delivery ends until it holds
+    its fair share (2), where before it kept them until its next renewal (slot_ttl_s / 3)
+    and b put its mail back for seconds."""
+    store, clock = MemoryDestinations(), _Clock()
+    a, b = _dest(store, clock, sessions=4), _dest(store, clock, sessions=4)
+    held = [await a.admit("x.test") for _ in range(4)]
+    assert all(h.go for h in held)
+    refused = await b.admit("x.test")
+    assert not refused.go and refused.reason == "full"
+    assert [o for o, _ in a._sites["x.test"].state.demand] == []  # a has not read it yet
+    await asyncio.sleep(0.01)  # a reads the site's state at most every state_refresh_s
+    await a.rebalance()
+    assert await _slots_of(store, a.owner) == 4  # all four in use: nothing given up yet
+    await a.done(held[0], OK)
+    assert await _slots_of(store, a.owner) == 3
+    await a.done(held[1], OK)
+    await a.done(held[2], OK)  # its share is 2: one delivery under way keeps one of them
+    assert await _slots_of(store, a.owner) == 2
+    b._sites["x.test"].full_until = 0  # (b would look again after FULL_MEMO_S)
+    assert [(await b.admit("x.test")).go for _ in range(3)] == [True, True, False]
+
+
+async def test_waiting_worker_takes_a_slot_given_up_while_its_mail_waits() -> None:
+    """b's delivery waits (slot_wait_s) instead of being put back: it looks for a free
+    slot every FULL_MEMO_S and takes the one a gives up when a delivery of a ends."""
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, sessions=2, slot_wait_s=5)
+    b = _dest(store, clock, sessions=2, slot_wait_s=5)
+    held = [await a.admit("x.test") for _ in range(2)]
+    waiting = asyncio.create_task(b.admit("x.test"))
+    for _ in range(100):  # b's demand is written before it waits
+        await asyncio.sleep(0.01)
+        if (await store.get(site_key("x.test"))).value is not None:
+            break
+    await asyncio.sleep(0.01)  # (state_refresh_s)
+    await a.rebalance()
+    await a.done(held[0], OK)
+    got = await asyncio.wait_for(waiting, 5 * FULL_MEMO_S)
+    assert got.go and await _slots_of(store, b.owner) == 1
+    assert await _slots_of(store, a.owner) == 1
+
+
+async def test_idle_sessions_over_the_fair_share_are_closed_before_their_slots_go() -> None:
+    """The connection cache of a keeps 4 idle sessions of the site, each holding a slot.
+    Once b wants the site, a closes the 2 over its share, and gives their 2 slots up only
+    once their QUIT completed: never more sessions open than slots held."""
+    store, clock, sessions = MemoryDestinations(), _Clock(), _Sessions()
+    a, b = _dest(store, clock, sessions=4), _dest(store, clock, sessions=4)
+    a.idle_sessions, a.shed_sessions = sessions.count, sessions.shed
+    for adm in [await a.admit("x.test") for _ in range(4)]:
+        await a.done(adm, OK)
+        sessions.idle["x.test"] = sessions.idle.get("x.test", 0) + 1  # kept idle
+    assert not (await b.admit("x.test")).go
+    await asyncio.sleep(0.01)  # (state_refresh_s)
+    await a.rebalance()
+    assert sessions.count("x.test") == (2, 2)  # two closing
+    assert await _slots_of(store, a.owner) == 4  # their slots are kept while they close
+    sessions.quit_done("x.test")
+    await a.rebalance()
+    assert await _slots_of(store, a.owner) == 2
+
+
+async def test_a_delivery_waiting_for_a_unit_goes_when_an_idle_session_is_reused() -> None:
+    """Two slots, two idle sessions kept by the connection cache: the first delivery is to
+    reuse one; until it takes it, a second counts both idle sessions as in use and waits.
+    The take (``session_reused``) lets it go at once, not after the next delivery ends."""
+    store, clock, sessions = MemoryDestinations(), _Clock(), _Sessions()
+    a = _dest(store, clock, sessions=2, slot_wait_s=10)
+    a.idle_sessions = sessions.count
+    for adm in [await a.admit("x.test") for _ in range(2)]:
+        await a.done(adm, OK)
+    sessions.idle["x.test"] = 2
+    first = await a.admit("x.test")
+    assert first.go
+    second = asyncio.create_task(a.admit("x.test"))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # 1 delivery + 2 idle sessions = both slots
+    sessions.idle["x.test"] = 1  # the first delivery takes its idle session
+    a.session_reused("x.test")
+    assert (await asyncio.wait_for(second, 1.0)).go
+
+
+async def test_items_of_a_full_site_are_put_back_paced_not_all_for_the_same_delay() -> None:
+    """Refusals in a row come back one turnover step apart (the site's units turning over
+    every HOLD_GUESS_S until measured), never after more than full_delay_s."""
+    store, clock = MemoryDestinations(), _Clock()
+    a, b = _dest(store, clock, sessions=2), _dest(store, clock, sessions=2, full_delay_s=1)
+    assert all([(await a.admit("x.test")).go for _ in range(2)])
+    delays = [(await b.admit("x.test")).delay_s for _ in range(40)]
+    assert delays[0] < delays[3] < delays[6] < delays[9]  # paced one after another
+    assert max(delays) <= 1.1  # the longest, jittered by at most a tenth
 
 
 def test_metrics_name_the_top_sites_and_sum_the_rest() -> None:

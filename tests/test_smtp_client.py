@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import email
 import email.policy
 import hashlib
@@ -966,6 +967,32 @@ async def test_idle_session_gets_quit_after_the_idle_time() -> None:
         await mx.wait_for(lambda: mx.sessions[0].closed)
         assert mx.sessions[0].verbs() == ["EHLO", "MAIL", "RCPT", "DATA", "QUIT"]
         assert cache.idle == 0
+
+
+async def test_shed_quits_the_idle_sessions_asked_for_and_take_is_reported() -> None:
+    """Two idle sessions to one MX; ``shed(1)`` QUITs one of them (the destination limits
+    give a slot over a worker's fair share up that way) and keeps the other for reuse,
+    whose take calls ``on_take`` (a delivery waiting for a session unit looks again)."""
+    host = "127.0.2.93"
+    port = shared_port([host])
+    taken: list[None] = []
+    cache = ConnectionCache(idle_s=30.0, on_take=lambda: taken.append(None))
+    settings = settings_for(port)
+    async with SmtpdMx(host, port) as mx:
+        sends = [
+            send_via(cache, "mx.example.test", host, settings, f"{r}@shed.example.test")
+            for r in ("a", "b")
+        ]
+        assert all(r.mx_host for r in await asyncio.gather(*sends))
+        assert (cache.idle, mx.connections, taken) == (2, 2, [])
+        assert cache.shed(1) == 1
+        assert (cache.idle, cache.closing) == (1, 1)
+        await mx.wait_for(lambda: sum(s.closed for s in mx.sessions) == 1)
+        assert [s.verbs()[-1] for s in mx.sessions if s.closed] == ["QUIT"]
+        assert cache.shed(0) == 0 and cache.idle == 1
+        await send_via(cache, "mx.example.test", host, settings, "c@shed.example.test")
+        assert mx.connections == 2 and len(taken) == 1  # the idle one was reused
+        await cache.close()
 
 
 @pytest.mark.parametrize("gone", [CLOSE, "421 4.4.2 mx.example.test idle timeout"])

@@ -124,7 +124,10 @@ class DestinationSettings(_Section):
         1.0, ge=0, description="longest wait for a session slot before the item is put back"
     )
     full_delay_s: float = Field(
-        2.0, gt=0, description="put-back delay of an item whose site is at its limit, seconds"
+        30.0,
+        gt=0,
+        description="longest put-back of an item whose site is at its limit (paced by the "
+        "site's session turnover up to this), seconds",
     )
     state_refresh_s: float = Field(
         1.0, gt=0, description="how old a worker's copy of a site's state may be, seconds"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -84,12 +85,21 @@ class ConnectionCache:
         idle_s: seconds an idle session is kept; 0 keeps none (every session ends in QUIT).
         max_age_s: seconds from connect after which a session is no longer reused.
         max_idle: idle sessions kept per target at most (more are closed).
+        on_take: called when an idle session is taken for reuse (the destination limits
+            count an admitted delivery until then; one waiting for a unit looks again).
     """
 
-    def __init__(self, idle_s: float = 2.0, max_age_s: float = 300.0, max_idle: int = 20) -> None:
+    def __init__(
+        self,
+        idle_s: float = 2.0,
+        max_age_s: float = 300.0,
+        max_idle: int = 20,
+        on_take: Callable[[], None] | None = None,
+    ) -> None:
         self.idle_s = idle_s
         self.max_age_s = max_age_s
         self.max_idle = max_idle
+        self.on_take = on_take
         self._idle: dict[CacheKey, list[IdleSession]] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -121,6 +131,8 @@ class ConnectionCache:
                 self._close(key, idle)
         if pool is not None and not pool:
             del self._idle[key]  # no empty pool per target ever seen
+        if found is not None and self.on_take is not None:
+            self.on_take()
         return found
 
     def put(self, key: CacheKey, idle: IdleSession) -> bool:
@@ -142,6 +154,26 @@ class ConnectionCache:
         idle.timer = loop.call_later(self.idle_s, self._expire, key, idle)
         self._idle.setdefault(key, []).append(idle)
         return True
+
+    def shed(self, n: int) -> int:
+        """QUIT up to ``n`` idle sessions in the background, those idle longest first.
+
+        Returns:
+            how many were closed (they count in :attr:`closing` until their QUIT ends).
+        """
+        idle = sorted(
+            (
+                (s.timer.when() if s.timer else 0.0, key, s)
+                for key, pool in self._idle.items()
+                for s in pool
+            ),
+            key=lambda t: t[0],
+        )
+        for _, key, session in idle[: max(0, n)]:
+            if session.timer is not None:
+                session.timer.cancel()
+            self._expire(key, session)
+        return min(len(idle), max(0, n))
 
     def _expire(self, key: CacheKey, idle: IdleSession) -> None:
         pool = self._idle.get(key)

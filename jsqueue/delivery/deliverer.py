@@ -52,6 +52,9 @@ class SmtpDeliverer:
         self.site_of = site_of or (lambda domain: domain)
         self._caches: dict[str, ConnectionCache] = {}
         self.signer = DkimSigner.from_settings(settings.dkim)
+        #: site -> None, called when an idle session of the site is taken for reuse (set
+        #: by the composition to the destination limits', which count idle sessions).
+        self.session_reused: Callable[[str], None] = lambda site: None
 
     def _cache(self, site: str) -> ConnectionCache:
         cache = self._caches.get(site)
@@ -63,6 +66,7 @@ class SmtpDeliverer:
                 idle_s=self.settings.connection_cache_s,
                 max_age_s=self.settings.connection_reuse_s,
                 max_idle=self.settings.concurrency,
+                on_take=lambda: self.session_reused(site),
             )
         return cache
 
@@ -70,6 +74,14 @@ class SmtpDeliverer:
         """(sessions kept idle for reuse, idle sessions being closed with QUIT) of ``site``."""
         cache = self._caches.get(site)
         return (0, 0) if cache is None else (cache.idle, cache.closing)
+
+    def shed_idle(self, site: str, n: int) -> None:
+        """QUIT up to ``n`` idle sessions of ``site`` in the background (they count as
+        being closed until it completes): the destination limits give their slots to
+        other workers."""
+        cache = self._caches.get(site)
+        if cache is not None:
+            cache.shed(n)
 
     async def deliver(
         self, entry: Entry, domain: str, recipients: Sequence[Recipient], body: BodySource
