@@ -36,6 +36,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -80,7 +81,7 @@ class _Site:
     slots: dict[int, int] = field(default_factory=dict)  # slot n -> revision we wrote
     active: int = 0
     waiters: int = 0
-    freed: asyncio.Event = field(default_factory=asyncio.Event)
+    wakers: deque[asyncio.Future[None]] = field(default_factory=deque)  # waiters, in order
     state: SiteState = field(default_factory=SiteState)
     state_rev: int = 0
     state_at: float = -1e9  # loop time of the last read
@@ -304,12 +305,16 @@ class Destinations:
                 await self._want(site)
                 remaining = min(remaining, max(0.01, site.full_until - loop.time()))
             site.waiters += 1
-            site.freed.clear()
+            woken = loop.create_future()
+            site.wakers.append(woken)
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(site.freed.wait(), remaining)
+                    await asyncio.wait_for(woken, remaining)
             finally:
                 site.waiters -= 1
+                if not woken.done() or woken.cancelled():
+                    with contextlib.suppress(ValueError):
+                        site.wakers.remove(woken)
 
     def _needed(self, site: _Site) -> int:
         """Units this worker's own sessions of ``site`` use: deliveries under way, plus idle
@@ -354,14 +359,25 @@ class Destinations:
         """An idle session of ``site_name`` was taken for reuse: deliveries waiting for a
         unit look again (an admitted delivery counts apart from the idle session it is to
         take until it takes it; waiting for the next delivery to end instead held a
-        single worker's first second at a third of its rate)."""
+        single worker's first second at a third of its rate). Only when that frees a unit:
+        every waiter wakes at a set, and a reuse mostly frees none."""
         site = self._sites.get(site_name)
-        if site is not None and site.waiters:
-            site.freed.set()
+        if site is not None and site.waiters and self._has_unit(site, self._limits(site)[0]):
+            self._wake(site)
 
     def _free(self, site: _Site) -> None:
         site.active = max(0, site.active - 1)
-        site.freed.set()
+        self._wake(site)
+
+    @staticmethod
+    def _wake(site: _Site) -> None:
+        """Wake the longest waiting delivery of ``site`` (one unit, one waiter: waking
+        them all made every freed unit cost each waiter a turn of the event loop)."""
+        while site.wakers:
+            woken = site.wakers.popleft()
+            if not woken.done():
+                woken.set_result(None)
+                return
 
     async def _want(self, site: _Site) -> None:
         """Make this worker's demand for ``site`` known (at most one write per
@@ -496,8 +512,6 @@ class Destinations:
             _, share = self._limits(site)
             if len(site.slots) > share:  # others want the site: give the surplus up
                 await self._trim(site, share)
-            if site.waiters:
-                site.freed.set()
 
     async def _feedback(self, site: _Site, attempt: Attempt) -> None:
         s = self.settings
@@ -591,7 +605,7 @@ class Destinations:
             with contextlib.suppress(StoreUnavailable):
                 await self.store.delete(slot_key(site.name, n), revision=rev)
         if site.waiters:
-            site.freed.set()
+            self._wake(site)
 
     async def renew(self) -> None:
         """Renew every slot held by compare-and-set (a lost one is dropped: it expired
