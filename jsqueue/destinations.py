@@ -16,11 +16,9 @@ What is shared, per site (keys in :mod:`jsqueue.names`):
   each, advanced by compare-and-set.
 * the site state ``site.<site>``: consecutive connection failures, the dead-site cool-off
   (RFC 5321 §4.5.4.1), the throttle after a 421 (§4.2.2, §4.5.3.2), and the *demand* of
-  workers that found no slot to take: while others want the site, a worker keeps at most
-  its fair share of the slots (:func:`jsqueue.limits.fair_share`), closes idle sessions
-  over it and gives their slots up, and the wanting workers keep their items at hand
-  (waiting for a slot, looking for a free one every :data:`FULL_MEMO_S`) instead of
-  putting them back.
+  workers that found no slot: while others want the site, a worker keeps at most its fair
+  share of the slots (:func:`jsqueue.limits.fair_share`), closing idle sessions over it,
+  and the wanting workers' deliveries wait for the slots given up.
 * ``probe.<site>``: the one worker probing a site whose cool-off ran out.
 
 Hot path: a delivery that reuses a slot this worker holds costs no round trip; the site
@@ -336,23 +334,27 @@ class Destinations:
             return loop.time() >= site.full_until and await self._scan(site, allowed)
 
     async def _scan(self, site: _Site, allowed: int) -> bool:
-        loop = asyncio.get_running_loop()
+        """Take a slot this worker does not hold: create one number at random (one request
+        uncontended); when taken, read them all in one request and compare-and-set each
+        free one (absent, expired, a delete marker) until one holds (one by one, 4 workers
+        sharing 80 slots made 4.5 requests per message)."""
         free = [n for n in range(allowed) if n not in site.slots]
         self.rng.shuffle(free)
-        value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
-        for n in free:
-            key = slot_key(site.name, n)
-            rev = await self.store.put(key, value, revision=0, ttl_s=self.settings.slot_ttl_s)
-            if rev is None:
-                current = await self.store.get(key)
-                if current.value is None:  # a delete marker: compare-and-set on it
-                    rev = await self.store.put(
-                        key, value, revision=current.revision, ttl_s=self.settings.slot_ttl_s
-                    )
-            if rev is not None:
-                site.slots[n] = rev
-                return True
-        site.full_until = loop.time() + FULL_MEMO_S
+        keys = {slot_key(site.name, n): n for n in free}
+        revisions = dict.fromkeys(list(keys)[:1], 0)  # the first number, as if absent
+        for contended in (False, True) if keys else ():
+            if contended:
+                reads = await self.store.get_many(list(keys))
+                revisions = {k: r.revision for k, r in reads.items() if r.value is None}
+            for key, revision in revisions.items():
+                value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
+                rev = await self.store.put(
+                    key, value, revision=revision, ttl_s=self.settings.slot_ttl_s
+                )
+                if rev is not None:
+                    site.slots[keys[key]] = rev
+                    return True
+        site.full_until = asyncio.get_running_loop().time() + FULL_MEMO_S
         return False
 
     def session_reused(self, site_name: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from typing import Any
 
 import pytest
 
@@ -448,6 +449,32 @@ async def test_a_delivery_waiting_for_a_unit_goes_when_an_idle_session_is_reused
     assert (await asyncio.wait_for(second, 1.0)).go
 
 
+async def test_a_contended_scan_reads_the_slots_in_one_request_and_takes_a_free_one() -> None:
+    """Slots 0..5 of a site, all but one held by another worker, the free one a delete
+    marker: the scan tries one number, then reads the slots in one batched request and
+    takes the free one by compare-and-set on the marker (it used to try each number with
+    a create and a read: two requests per number taken)."""
+    store, clock = MemoryDestinations(), _Clock()
+    a, b = _dest(store, clock, sessions=6), _dest(store, clock, sessions=6)
+    held = [await a.admit("x.test") for _ in range(6)]
+    assert all(h.go for h in held)
+    gone = min(a._sites["x.test"].slots)
+    assert await store.delete(slot_key("x.test", gone), revision=a._sites["x.test"].slots.pop(gone))
+    calls: list[str] = []
+    for name in ("get", "get_many", "put"):
+        real = getattr(store, name)
+
+        async def counted(*args: object, _real: Any = real, _name: str = name, **kw: object) -> Any:
+            calls.append(_name)
+            return await _real(*args, **kw)
+
+        setattr(store, name, counted)
+    got = await b.admit("x.test")
+    assert got.go and list(b._sites["x.test"].slots) == [gone]
+    assert calls.count("get_many") <= 1 and "get" not in calls[1:]
+    assert calls.count("put") <= 2  # the random first try, then the free one
+
+
 async def test_items_of_a_full_site_are_put_back_paced_not_all_for_the_same_delay() -> None:
     """Refusals in a row come back one turnover step apart (the site's units turning over
     every HOLD_GUESS_S until measured), never after more than full_delay_s."""
@@ -506,6 +533,16 @@ async def test_destination_store_contract(stores: Stores) -> None:
     assert again is not None
     assert await d.put("slot.y.0", {"owner": "z"}, revision=None, ttl_s=1) is not None
     assert await d.keys("slot.") == ["slot.x.0", "slot.y.0"]
+    assert await d.delete("slot.x.0", revision=again)
+    marker = await d.get("slot.x.0")
+    many = await d.get_many(["slot.x.0", "slot.y.0", "slot.never.0"])
+    assert many == {  # one batched read, as get reads each key
+        "slot.x.0": marker,
+        "slot.y.0": await d.get("slot.y.0"),
+        "slot.never.0": Keyed(None, 0),
+    }
+    assert await d.get_many([]) == {}
+    assert await d.put("slot.x.0", {"owner": "b"}, revision=marker.revision, ttl_s=60)
 
     async def expired() -> bool:
         return (await d.get("slot.y.0")).value is None

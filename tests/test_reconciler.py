@@ -547,12 +547,13 @@ def test_the_pause_after_a_long_pass_keeps_passes_to_a_tenth_of_the_time() -> No
 
 
 async def test_a_regular_pass_rests_as_it_reads_and_a_recovery_pass_does_not(
-    queue_harness: Harness, make_reconciler: MakeReconciler
+    queue_harness: Harness, make_reconciler: MakeReconciler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A full pass over many entries (a million in production) rests between its reads, so
     that its work is about PASS_SHARE of its time and the worker sharing the event loop
     keeps delivering; a recovery pass (what a crash left is wanted back soon) never rests."""
     stores = queue_harness.stores
+    monkeypatch.setattr("jsqueue.reconciler.READ_BATCH", 50)  # (256 would read all at once)
     for _ in range(150):  # three read batches
         await store(stores, entry(), work=True)
     rec = await make_reconciler()

@@ -478,6 +478,10 @@ class MemoryDestinations:
         """See :meth:`DestinationStore.get`."""
         return self._read(key)
 
+    async def get_many(self, keys: Sequence[str]) -> dict[str, Keyed]:
+        """See :meth:`DestinationStore.get_many`."""
+        return {key: self._read(key) for key in keys}
+
     async def put(
         self, key: str, value: dict[str, object], *, revision: int | None, ttl_s: float
     ) -> int | None:

@@ -7,11 +7,14 @@ SIGKILL expire by the server's clock alone; reads are direct gets (one round tri
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from collections.abc import Sequence
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js import api
 
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names, kv_subject, kv_subjects
@@ -22,7 +25,9 @@ from jsqueue.store.jetstream.api import (
     HDR_TTL,
     NATS_FAILURES,
     WRONG_LAST_SEQ,
+    DirectBatch,
     stream_subjects,
+    translate,
 )
 from jsqueue.store.jetstream.provisioning import TtlBucket
 
@@ -56,6 +61,7 @@ class JetStreamDestinations(TtlBucket):
             timeout_s=timeout_s,
         )
         self.names = names
+        self._batch = DirectBatch(nc)
 
     async def get(self, key: str) -> Keyed:
         """See :meth:`DestinationStore.get <jsqueue.store.base.DestinationStore.get>`.
@@ -73,14 +79,29 @@ class JetStreamDestinations(TtlBucket):
             return Keyed(None, 0)
         except NATS_FAILURES as e:
             raise StoreUnavailable(f"destinations {key}: read: {e or type(e).__name__}") from e
-        seq = int(msg.seq or 0)
-        if (msg.headers or {}).get(HDR_KV_OP) in ("DEL", "PURGE") or not msg.data:
-            return Keyed(None, seq)
-        try:
-            value = json.loads(msg.data)
-        except ValueError:
-            return Keyed(None, seq)
-        return Keyed(value if isinstance(value, dict) else None, seq)
+        return _keyed(msg)
+
+    async def get_many(self, keys: Sequence[str]) -> dict[str, Keyed]:
+        """See :meth:`DestinationStore.get_many <jsqueue.store.base.DestinationStore.get_many>`:
+        batched direct gets (:class:`~jsqueue.store.jetstream.api.DirectBatch`) where the
+        server has them, else one direct get per key.
+
+        Raises:
+            StoreUnavailable: NATS unreachable, a read failed, timed out or was refused.
+        """
+        if not keys:
+            return {}
+        if not self._batch.supported:
+            reads = await asyncio.gather(*(self.get(k) for k in keys))
+            return dict(zip(keys, reads, strict=True))
+        if not self._provisioned:
+            await self.provision()
+        subjects = {kv_subject(self.bucket, k): k for k in keys}
+        with translate(f"destinations: read {len(keys)}"):
+            found = await self._batch.last(self.stream, list(subjects), self._timeout_s)
+        out = {k: Keyed(None, 0) for k in keys}
+        out.update({subjects[s]: _keyed(msg) for s, msg in found.items()})
+        return out
 
     async def _publish(self, key: str, data: bytes, headers: dict[str, str]) -> int | None:
         if not self._provisioned:
@@ -157,3 +178,16 @@ class JetStreamDestinations(TtlBucket):
             self._timeout_s,
         )
         return sum(subjects.values())
+
+
+def _keyed(msg: api.RawStreamMsg) -> Keyed:
+    """A key's last message as read: a delete marker or an unreadable value is absent at
+    the marker's revision."""
+    seq = int(msg.seq or 0)
+    if (msg.headers or {}).get(HDR_KV_OP) in ("DEL", "PURGE") or not msg.data:
+        return Keyed(None, seq)
+    try:
+        value = json.loads(msg.data)
+    except ValueError:
+        return Keyed(None, seq)
+    return Keyed(value if isinstance(value, dict) else None, seq)
