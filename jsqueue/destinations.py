@@ -595,8 +595,8 @@ class Destinations:
         needed = self._needed(site) + site.waiters
         if share is not None:
             in_use = self._needed(site)
-            idle, _ = self.idle_sessions(site.name)
-            shed = min(idle, in_use - share)
+            idle, closing = self.idle_sessions(site.name)
+            shed = min(idle, in_use - closing - share)  # (those closing go anyway)
             if shed > 0:
                 self.shed_sessions(site.name, shed)
             needed = max(min(needed, share), in_use)

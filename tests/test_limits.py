@@ -424,6 +424,8 @@ async def test_idle_sessions_over_the_fair_share_are_closed_before_their_slots_g
     await a.rebalance()
     assert sessions.count("x.test") == (2, 2)  # two closing
     assert await _slots_of(store, a.owner) == 4  # their slots are kept while they close
+    await a.rebalance()
+    assert sessions.count("x.test") == (2, 2)  # those closing count as gone: none more
     sessions.quit_done("x.test")
     await a.rebalance()
     assert await _slots_of(store, a.owner) == 2
