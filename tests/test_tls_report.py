@@ -225,11 +225,17 @@ async def test_day_with_both_outcomes_reported_by_https_and_mailto(
         ScriptedMx(REPORT_MX, h.mx_port, name="mx.reports.example.test") as report_mx,
         h.running(h.worker(observer=publisher)),
     ):
-        await h.submit(MESSAGE, ["user@strict.example.test"])
+        first = await h.submit(MESSAGE, ["user@strict.example.test"])
         await eventually(lambda: len(mx.delivered) == 1, what="first delivery")
         mx.tls = certs.server_context(MX_NAME, untrusted=True)
-        await h.submit(MESSAGE, ["user@strict.example.test"])
+        second = await h.submit(MESSAGE, ["user@strict.example.test"])
         await eventually(lambda: len(mx.delivered) == 2, what="second delivery")
+        for queue_id in (first, second):  # settled: its attempt's events are published
+
+            async def gone(q: str = queue_id) -> bool:
+                return await h.entry(q) is None
+
+            await eventually(gone, what="the message settled")
         await publisher.flush()
         host, port = h.frontend.address  # type: ignore[union-attr]
         reporter = TlsReporter(
