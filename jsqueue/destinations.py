@@ -250,17 +250,24 @@ class Destinations:
         )
         return self._jitter(site.paced_until - now, spread=0.1)
 
-    def early(self, domain: str) -> Admission | None:
-        """A refusal known without a round trip (no entry read, no bucket access): the
-        site of ``domain`` was found full moments ago and no slot of this worker is free.
-        None when :meth:`admit` must decide. Synchronous and cheap: called for every item.
-        """
+    def full(self, domain: str) -> bool:
+        """Whether :meth:`early` would refuse mail for ``domain`` now: its site was found
+        full moments ago (a scan within :data:`FULL_MEMO_S`), no unit of this worker is
+        free and its waiters are as many as it keeps. Synchronous, no I/O, no side
+        effect: the worker asks it before it reads a fetched batch's entries."""
         site = self._sites.get(self.site_known(domain))
         if site is None or asyncio.get_running_loop().time() >= site.full_until:
-            return None
+            return False
         allowed, share = self._limits(site)
-        if self._has_unit(site, allowed) or site.waiters < self._max_waiters(site, share):
+        return not self._has_unit(site, allowed) and site.waiters >= self._max_waiters(site, share)
+
+    def early(self, domain: str) -> Admission | None:
+        """A refusal known without a round trip (no entry read, no bucket access), when
+        :meth:`full`: the put-back is paced (:meth:`_full_delay`) and counted. None when
+        :meth:`admit` must decide. Synchronous and cheap: called for every item."""
+        if not self.full(domain):
             return None
+        site = self._site(self.site_known(domain))
         return self._defer(site, "full", self._full_delay(site))
 
     def _limits(self, site: _Site) -> tuple[int, int]:
@@ -273,9 +280,8 @@ class Destinations:
 
     @staticmethod
     def _max_waiters(site: _Site, share: int) -> int:
-        """Deliveries that may wait for a unit of ``site`` here: as many as the slots this
-        worker holds, or as its fair share when that is more (the slots it may still
-        get); at least one."""
+        """Deliveries that may wait for a unit of ``site`` here: as many as the slots held,
+        or the fair share when more (the slots this worker may still get); at least 1."""
         return max(1, len(site.slots), share)
 
     def _defer(
@@ -358,11 +364,9 @@ class Destinations:
         return False
 
     def session_reused(self, site_name: str) -> None:
-        """An idle session of ``site_name`` was taken for reuse: deliveries waiting for a
-        unit look again (an admitted delivery counts apart from the idle session it is to
-        take until it takes it; waiting for the next delivery to end instead held a
-        single worker's first second at a third of its rate). Only when that frees a unit:
-        every waiter wakes at a set, and a reuse mostly frees none."""
+        """An idle session of ``site_name`` was taken for reuse: a waiting delivery looks
+        again when that frees a unit (an admitted delivery counts apart from the idle
+        session it is to take until it takes it). Synchronous; never raises."""
         site = self._sites.get(site_name)
         if site is not None and site.waiters and self._has_unit(site, self._limits(site)[0]):
             self._wake(site)
@@ -383,8 +387,7 @@ class Destinations:
 
     async def _want(self, site: _Site) -> None:
         """Make this worker's demand for ``site`` known (at most one write per
-        ``DEMAND_REFRESHES * state_refresh_s / 2``); best effort: a lost write is made at
-        a later refusal."""
+        ``DEMAND_REFRESHES * state_refresh_s / 2``); best effort, never raises."""
         ttl_s = DEMAND_REFRESHES * self.settings.state_refresh_s
         now = self.clock()
         with contextlib.suppress(StoreUnavailable):
@@ -635,12 +638,10 @@ class Destinations:
                 self._sites.pop(site.name, None)
 
     async def rebalance(self) -> None:
-        """Give up the slots over this worker's fair share of every site others want,
-        also when no delivery of its own reads the site's state any more (it is read at
-        most once per ``state_refresh_s``, and only for a site this worker holds more
-        than one slot of): idle sessions over the share are closed, and their slots
-        given up at a later call, once their QUIT completed. Called every
-        :data:`FULL_MEMO_S` by :meth:`run`; never raises for an unreachable bucket."""
+        """Give up the slots over this worker's fair share of every site others want, also
+        when no delivery reads the site's state (read at most every ``state_refresh_s``,
+        for a site held with more than one slot); idle sessions over it are closed first.
+        Called every :data:`FULL_MEMO_S` by :meth:`run`; never raises."""
         for site in list(self._sites.values()):
             if len(site.slots) > 1:
                 try:

@@ -72,9 +72,7 @@ class Notifier(Protocol):
 
     async def notify(self, entry: Entry, now: datetime) -> Entry | None:
         """Enqueue every DSN owed; return the entry marked as notified, None if none owed.
-
-        Idempotent: a DSN enqueued twice for the same event is stored once.
-        """
+        Idempotent: a DSN enqueued twice for the same event is stored once."""
         ...
 
     def owes(self, entry: Entry, now: datetime) -> bool:
@@ -159,7 +157,7 @@ class Worker:
                 seconds (burst mode, for tests and one-shot runs); None = run until stopped.
         """
         await self.take_name()
-        log.info("worker running, lease owner=%s", self.owner)  # as taken: what leases carry
+        log.info("worker running, lease owner=%s", self.owner)
         beats = asyncio.create_task(self._presence_beats())
         halt = asyncio.Event()  # slots are kept until the drain is over
         upkeep = asyncio.create_task(self.sites.run(halt)) if self.sites else None
@@ -190,7 +188,9 @@ class Worker:
                 with contextlib.suppress(TimeoutError):  # a timeout is just "try again"
                     await asyncio.wait_for(stop.wait(), 1.0)
                 continue
-            ahead = await cas.read_ahead(self.stores.entries, [d.item.queue_id for d in batch])
+            sites = self.sites  # no entry read for an item its site puts back at once
+            read = [d.item.queue_id for d in batch if not (sites and sites.full(d.item.domain))]
+            ahead = await cas.read_ahead(self.stores.entries, read)
             for due in batch:
                 task = asyncio.create_task(self._handle(due, ahead.get(due.item.queue_id)))
                 self._tasks.add(task)

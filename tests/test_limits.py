@@ -477,6 +477,27 @@ async def test_a_contended_scan_reads_the_slots_in_one_request_and_takes_a_free_
     assert calls.count("put") <= 2  # the random first try, then the free one
 
 
+async def test_full_tells_what_early_would_refuse_and_changes_nothing() -> None:
+    """The worker skips the entry read of an item whose site is known full
+    (``Destinations.full``); asking must not count a put-back nor move the pacing, and it
+    answers as ``early`` then does."""
+    store, clock = MemoryDestinations(), _Clock()
+    a, b = _dest(store, clock, sessions=1), _dest(store, clock, sessions=1)
+    assert not b.full("x.test")  # never seen: admit decides
+    assert (await a.admit("x.test")).go
+    assert not (await b.admit("x.test")).go  # b's scan found the site full
+    site = b._sites["x.test"]
+    site.waiters = 1  # as many waiting as it keeps: further items go back at once
+    counted, paced = dict(site.deferred), site.paced_until
+    assert b.full("x.test") and b.full("x.test")
+    assert (site.deferred, site.paced_until) == (counted, paced)
+    refused = b.early("x.test")
+    assert refused is not None and refused.reason == "full"
+    assert site.deferred["full"] == counted["full"] + 1 and site.paced_until > paced
+    site.waiters = 0
+    assert not b.full("x.test") and b.early("x.test") is None  # one more may wait
+
+
 async def test_items_of_a_full_site_are_put_back_paced_not_all_for_the_same_delay() -> None:
     """Refusals in a row come back one turnover step apart (the site's units turning over
     every HOLD_GUESS_S until measured), never after more than full_delay_s."""
