@@ -15,15 +15,19 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_admin import DEST_ZONE, MESSAGE, RCPT
 from test_cli import jsqueue, queue_env
 
 from jsqueue.admin import Admin
 from jsqueue.envelope import Entry, RecipientState, utcnow
+from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.state import claim
+from jsqueue.store import presence as presence_mod
 from jsqueue.store.jetstream.work import JetStreamDue
+from jsqueue.store.memory import MemoryPresence
 from jsqueue.views import Outcome
 from jsqueue.worker import Worker
 from support.mx import SILENT, ScriptedMx
@@ -258,3 +262,30 @@ async def test_sigkilled_worker_process_restarted_with_its_name(
                     proc.kill()
                     await proc.wait()
     assert [t.rcpt_to for t in mx.delivered] == [[RCPT]]
+
+
+async def test_a_worker_started_while_the_presence_bucket_elects_a_leader_waits_for_it() -> None:
+    """A worker started while the presence bucket's stream has no leader (a cluster
+    starting, a node lost: "no response from stream") tries again instead of stopping its
+    process; one whose bucket stays unavailable for the whole grace still fails."""
+
+    class Electing(MemoryPresence):
+        def __init__(self, refusals: int) -> None:
+            super().__init__()
+            self.refusals = refusals
+
+        async def beat(
+            self, owner: str, instance: str, ttl_s: float, *, first: bool = False
+        ) -> bool:
+            if self.refusals > 0:
+                self.refusals -= 1
+                raise StoreUnavailable(f"presence {owner}: write: nats: no response from stream")
+            return await super().beat(owner, instance, ttl_s, first=first)
+
+    store = Electing(refusals=2)
+    liveness = presence_mod.Liveness(3.0)
+    name = await presence_mod.take_name(store, "w1", "pid-1", 3.0, liveness)
+    assert name == "w1" and store.refusals == 0
+    assert (await store.seen("w1")) is not None
+    with pytest.raises(StoreUnavailable, match="no response from stream"):
+        await presence_mod.take_name(Electing(refusals=100), "w2", "pid-2", 0.6, liveness)

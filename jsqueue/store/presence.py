@@ -15,6 +15,9 @@ from jsqueue.store.base import Presence
 
 log = logging.getLogger("jsqueue.worker")
 
+#: Seconds between tries of :func:`take_name` while the presence bucket is unavailable.
+RETRY_S = 0.5
+
 
 @dataclass(slots=True)
 class Liveness:
@@ -42,6 +45,11 @@ async def take_name(
     """Register ``owner`` for process ``instance``; return the name actually taken. The
     beat that registers it is noted in ``liveness``.
 
+    An unavailable presence bucket is tried again every :data:`RETRY_S` seconds for up to
+    ``grace_s`` seconds: a worker started while the bucket's stream elects a leader (a
+    cluster starting, a node lost; "no response from stream") waits for it instead of
+    stopping its process.
+
     A mark of ``owner`` written by another process is watched for up to ``grace_s`` (+1)
     seconds: when it expires, that process is dead (a restart after a crash) and the name,
     with its leases, is taken; when it is beaten again, a live worker uses the name, and
@@ -49,8 +57,23 @@ async def take_name(
     Every wait polls at most every 0.2 s.
 
     Raises:
-        StoreUnavailable: the presence bucket cannot be read or written.
+        StoreUnavailable: the presence bucket could not be read or written for
+            ``grace_s`` seconds.
     """
+    give_up = asyncio.get_running_loop().time() + grace_s
+    while True:
+        try:
+            return await _take_name(presence, owner, instance, grace_s, liveness)
+        except StoreUnavailable as e:
+            if asyncio.get_running_loop().time() >= give_up:
+                raise
+            log.warning("presence of %s not written (%s); trying again", owner, e)
+            await asyncio.sleep(RETRY_S)
+
+
+async def _take_name(
+    presence: Presence, owner: str, instance: str, grace_s: float, liveness: Liveness
+) -> str:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s + 1.0
     mark = await presence.seen(owner)
