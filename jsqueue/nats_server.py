@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import importlib.metadata
 import logging
 import os
@@ -75,20 +73,32 @@ _READY = "Server is ready"
 _IN_USE = "address already in use"
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Run by a fresh interpreter between jsqueue and the nats-server it execs: asks the kernel
+# for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG = 1, <linux/prctl.h>) and exits at
+# once if it died already. argv: parent pid, then the server's command.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as e:\n"
+    "    sys.exit(f'cannot start {sys.argv[2]}: {e}')\n"
+)
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: ask the kernel for SIGTERM when the parent dies
-    (``prctl(PR_SET_PDEATHSIG)``, Linux); exit at once if it died already. Elsewhere a
-    no-op. The signal follows the parent *thread* that forked: start the server from the
+def _dying_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that it gets SIGTERM when this process dies (Linux; elsewhere ``cmd``
+    unchanged). The ``prctl`` runs in a fresh interpreter that then execs ``cmd``, not in a
+    ``preexec_fn``: Python code run in the child of a fork of this multi-threaded process
+    can deadlock on a lock another thread held at the fork (CPython's subprocess
+    documentation), and ``Popen`` then blocks the event loop, unbounded, waiting for the
+    exec. The signal follows the parent *thread* that forks: start the server from the
     thread that runs the event loop."""
     if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
+        return cmd
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def port_holder(host: str, port: int) -> psutil.Process | None:
@@ -266,6 +276,8 @@ class EmbeddedNats:
         if self.running:
             return
         binary = self.binary or find_nats_server()
+        if shutil.which(binary) is None:  # the exec happens in the child (_dying_with_parent)
+            raise JsqueueError(f"cannot start nats-server {binary}: not an executable file")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         await self._stop_orphan()
         config = self.config_file or default_config_file(self.store_dir)
@@ -293,12 +305,11 @@ class EmbeddedNats:
                 # must reach jsqueue only, which drains its deliveries (recording what
                 # was sent needs the server) and then stops the server with stop().
                 self._proc = subprocess.Popen(  # noqa: ASYNC220
-                    cmd,
+                    _dying_with_parent(cmd),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                 )
             except OSError as e:
                 raise JsqueueError(f"cannot start nats-server {binary}: {e}") from e

@@ -71,6 +71,34 @@ async def test_start_stop_restart_on_port_zero(tmp_path: Path) -> None:
     server.kill()  # idempotent
 
 
+_FORKED: dict[str, Path] = {}  # while set: where a forked child of this process writes
+
+
+def _mark_forked_child() -> None:
+    if "marker" in _FORKED:  # in the child: unarmed, nothing
+        os.close(os.open(_FORKED["marker"], os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+async def test_no_python_runs_in_the_forked_child_before_the_exec(tmp_path: Path) -> None:
+    """Starting the server runs no Python code of this (multi-threaded) process between
+    fork and exec, where a lock another thread held at the fork deadlocks the child and
+    leaves ``Popen`` blocking the event loop unbounded (CPython's subprocess docs on
+    ``preexec_fn``). A ``preexec_fn`` makes the child run this process's at-fork hooks: the
+    hook here stands for any such code. The server still dies with its parent
+    (``test_up.py``: kill -9 of ``jsqueue up``)."""
+    marker = tmp_path / "forked"
+    _FORKED["marker"] = marker
+    try:
+        async with EmbeddedNats(tmp_path / "nats", port=0) as server:
+            assert await can_connect(server.url)
+    finally:
+        _FORKED.clear()
+    assert not marker.exists(), "Python code ran in the child before the exec"
+
+
 async def test_context_manager_and_fixed_port(tmp_path: Path) -> None:
     port = free_port()
     async with EmbeddedNats(tmp_path, port=port) as server:

@@ -358,12 +358,17 @@ async def test_drain_waits_for_the_reply_to_a_final_dot_it_sent(queue_harness: H
         qid = await h.submit(case_message("CASE-07"), ["u@slowdot.example.test"])
         stop = asyncio.Event()
         task = asyncio.create_task(h.worker().run(stop))
-        await mx.wait_for(lambda: mx.held == 1)
-        stop.set()
-        await asyncio.sleep(1.5)  # past the drain bound, within data_final_timeout_s
-        assert not task.done(), "the drain waits for the reply to the dot"
-        hold.set()
-        await asyncio.wait_for(task, 10)
+        try:
+            await mx.wait_for(lambda: mx.held == 1)
+            stop.set()
+            await asyncio.sleep(1.5)  # past the drain bound, within data_final_timeout_s
+            assert not task.done(), "the drain waits for the reply to the dot"
+            hold.set()
+            await asyncio.wait_for(task, 10)
+        finally:  # a failure above ends the worker while its nats-server is still up
+            stop.set()
+            hold.set()
+            await asyncio.wait({task}, timeout=30)
         assert await h.entry(qid) is None, "delivered and recorded by the stopped worker"
         async with h.running():
             await asyncio.sleep(1.0)
