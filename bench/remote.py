@@ -12,8 +12,16 @@ start; Postfix: ``postsuper -H ALL`` and ``postqueue -f``). Delivered msg/s is c
 the sink from its first arrival to its last, so start-up is not in it; CPU is that of
 the whole system from the moment every process runs, per message delivered since.
 
+With ``--domains N`` the messages are split over N domains, each with an MX (and a sink) of
+its own, so N sites: scaling out then meets each site's session limit
+(``destinations.sessions``) separately, as a queue with many destinations does. One
+domain is sent through the sink as the worker's smarthost, several through their MX
+records. Each sink reports the most sessions it had open at once: the ``peak sessions per
+site`` column is the largest of them, what a receiver's limit per client would see.
+
     .venv/bin/python bench/remote.py --messages 2000 --repeat 3
     .venv/bin/python bench/remote.py --workers 1,4 --env JSQUEUE_WORKER__CONCURRENCY=40
+    .venv/bin/python bench/remote.py --domains 4 --messages 2000 --repeat 5
 """
 
 from __future__ import annotations
@@ -48,6 +56,13 @@ DOMAIN = "remote.example.test"
 ADDRESS = "127.0.3.9"
 
 
+def sites(n: int) -> list[tuple[str, str]]:
+    """``n`` (domain, MX address) pairs: one domain is ``DOMAIN`` on ``ADDRESS``."""
+    if n == 1:
+        return [(DOMAIN, ADDRESS)]
+    return [(f"d{i}.{DOMAIN}", f"127.0.3.{9 + i}") for i in range(n)]
+
+
 class SlowSink(Sink):
     """:class:`postfix.Sink`'s interface on ``slow_sink.py``; :attr:`round_trips` too."""
 
@@ -55,6 +70,7 @@ class SlowSink(Sink):
         super().__init__(host, port)
         self.delay_ms = delay_ms
         self._rt = 0
+        self._peak = 0
 
     def start(self) -> SlowSink:
         cmd = [
@@ -98,11 +114,35 @@ class SlowSink(Sink):
                     self.arrivals.extend([now] * (count - self._count))
                     self._count = max(self._count, count)
                     self._rt = int(fields.get(b"rt", b"0"))
+                    self._peak = int(fields.get(b"peak", b"0"))
 
     @property
     def round_trips(self) -> int:
         with self._lock:
             return self._rt
+
+    @property
+    def peak(self) -> int:
+        """The most sessions open at once so far."""
+        with self._lock:
+            return self._peak
+
+
+def send(host: str, port: int, args: argparse.Namespace) -> None:
+    """Queue ``args.messages`` 4 KB messages, split evenly over the ``args.domains``
+    domains (one smtp-source run per domain, one after another)."""
+    pairs = sites(args.domains)
+    for i, (domain, _) in enumerate(pairs):
+        share = args.messages // len(pairs) + (i < args.messages % len(pairs))
+        smtp_source(
+            host,
+            port,
+            messages=share,
+            sessions=args.sessions,
+            size=4096,
+            sender=SENDER,
+            recipient=f"sink@{domain}",
+        )
 
 
 def _rate(arrivals: list[float]) -> float:
@@ -110,10 +150,11 @@ def _rate(arrivals: list[float]) -> float:
 
 
 def run_jsqueue(
-    workdir: Path, dns: DnsServer, sink: SlowSink, n_workers: int, args: argparse.Namespace
+    workdir: Path, dns: DnsServer, sinks: list[SlowSink], n_workers: int, args: argparse.Namespace
 ) -> dict[str, float]:
     env = dict(e.split("=", 1) for e in args.env)
-    system = JsqueueSystem(workdir, dns, sink.port, env, ADDRESS, n_workers)
+    smarthost = ADDRESS if len(sinks) == 1 else None  # several sites: through their MXes
+    system = JsqueueSystem(workdir, dns, sinks[0].port, env, smarthost, n_workers)
     system.workdir.mkdir(parents=True, exist_ok=True)
     system.nats = JsqueueProcess(["nats"], system.env, workdir / "nats.log").start()
     system.nats_url = system.nats.wait_for_log(r"nats-server ready on (nats://\S+)").group(1)
@@ -122,16 +163,7 @@ def run_jsqueue(
     workers: list[JsqueueProcess] = []
     try:
         port = int(system.smtp.wait_for_log(r"listening on [\d.]+:(\d+)").group(1))
-        base, rt0 = sink.count, sink.round_trips
-        smtp_source(
-            "127.0.0.1",
-            port,
-            messages=args.messages,
-            sessions=args.sessions,
-            size=4096,
-            sender=SENDER,
-            recipient=f"sink@{DOMAIN}",
-        )
+        send("127.0.0.1", port, args)
         # A name of its own per worker process, as each pod has: namesakes on one host
         # would wait for each other's presence beat (worker.presence_grace_s / 3) first.
         workers = [
@@ -143,7 +175,7 @@ def run_jsqueue(
         meter = CpuMeter([system.nats.pid, system.smtp.pid, *(w.pid for w in workers)])
         for w in workers:  # start-up (imports, connecting) is not delivery: not counted
             w.wait_for_log(r"jsqueue running")
-        return _wait(sink, base, rt0, args, meter, meter.total(), sink.count)
+        return _wait(sinks, args, meter, meter.total())
     finally:
         for w in workers:
             w.stop()
@@ -151,61 +183,51 @@ def run_jsqueue(
         system.nats.stop()
 
 
-def run_postfix(workdir: Path, sink: SlowSink, args: argparse.Namespace) -> dict[str, float]:
+def run_postfix(workdir: Path, sinks: list[SlowSink], args: argparse.Namespace) -> dict[str, float]:
     from support.postfix import Postfix, loopback_address
 
-    routes = {DOMAIN: f"[{ADDRESS}]:{sink.port}"}
+    routes = {d: f"[{a}]:{sinks[0].port}" for d, a in sites(args.domains)}
     hold = {"smtpd_data_restrictions": "check_client_access static:HOLD"}
     pf = Postfix.relay(workdir, routes, host=loopback_address(20), extra=hold)
     pf.start()
     try:
-        base, rt0 = sink.count, sink.round_trips
-        smtp_source(
-            pf.host,
-            pf.port,
-            messages=args.messages,
-            sessions=args.sessions,
-            size=4096,
-            sender=SENDER,
-            recipient=f"sink@{DOMAIN}",
-        )
+        send(pf.host, pf.port, args)
         meter = CpuMeter([postfix_master_pid(pf)])
         conf = str(pf.config_dir)
         subprocess.run(
             ["/usr/sbin/postsuper", "-c", conf, "-H", "ALL"], check=True, capture_output=True
         )
         subprocess.run(["/usr/sbin/postqueue", "-c", conf, "-f"], check=True, capture_output=True)
-        return _wait(sink, base, rt0, args, meter, meter.total(), sink.count)
+        return _wait(sinks, args, meter, meter.total())
     finally:
         pf.stop()
 
 
 def _wait(
-    sink: SlowSink,
-    base: int,
-    rt0: int,
-    args: argparse.Namespace,
-    meter: CpuMeter,
-    cpu0: float,
-    first: int,
+    sinks: list[SlowSink], args: argparse.Namespace, meter: CpuMeter, cpu0: float
 ) -> dict[str, float]:
-    """Wait for every message at the sink. CPU is counted from ``cpu0`` (read once every
-    process is running), per message delivered since (``first``: the sink's count then):
-    the start-up of a worker process (imports, connecting: 1 to 3 s of CPU on this
-    machine) is not delivery, and with 4 workers it was most of the figure."""
+    """Wait for every message at the sinks (fresh for each run). CPU is counted from
+    ``cpu0`` (read once every process is running), per message delivered since: the
+    start-up of a worker process (imports, connecting: 1 to 3 s of CPU on this machine) is
+    not delivery, and with 4 workers it was most of the figure."""
+    first = sum(k.count for k in sinks)
     deadline = time.monotonic() + max(300.0, args.messages / 5)
-    while sink.count < base + args.messages and time.monotonic() < deadline:
+    while sum(k.count for k in sinks) < args.messages and time.monotonic() < deadline:
         time.sleep(0.05)
     cpu = meter.total() - cpu0
-    got = sink.count - base
-    with sink._lock:
-        arrivals = sink.arrivals[base : base + got]
+    got = sum(k.count for k in sinks)
+    arrivals: list[float] = []
+    for k in sinks:
+        with k._lock:
+            arrivals += k.arrivals
+    arrivals.sort()
     return {
         "delivered": got,
         "complete": float(got >= args.messages),
         "rate": _rate(arrivals) if got > 1 else 0.0,
-        "round_trips": (sink.round_trips - rt0) / max(1, got),
-        "cpu_ms": 1000 * cpu / max(1, sink.count - first),
+        "round_trips": sum(k.round_trips for k in sinks) / max(1, got),
+        "cpu_ms": 1000 * cpu / max(1, got - first),
+        "peak_sessions": max(k.peak for k in sinks),
     }
 
 
@@ -218,15 +240,16 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4", help="jsqueue worker process counts")
     parser.add_argument("--no-postfix", action="store_true")
     parser.add_argument("--env", action="append", default=[], help="extra JSQUEUE_X=Y")
+    parser.add_argument("--domains", type=int, default=1, help="destination sites (MXes)")
     args = parser.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
-    title = f"4 KB, 1 rcpt, {args.delay_ms:g} ms per round trip"
+    pairs = sites(args.domains)
+    title = f"4 KB, 1 rcpt, {args.delay_ms:g} ms per round trip, {len(pairs)} site(s)"
     workdir = make_workdir("jsqueue-remote-")
-    port = free_port(ADDRESS)
+    port = free_port(pairs[0][1], others=[a for _, a in pairs[1:]])
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     rows: list[tuple[str, dict[str, float]]] = []
-    sink = SlowSink(ADDRESS, port, args.delay_ms).start()
-    zone = f"{DOMAIN}. MX 10 mx.{DOMAIN}.\nmx.{DOMAIN}. A {ADDRESS}\n"
+    zone = "".join(f"{d}. MX 10 mx.{d}.\nmx.{d}. A {a}\n" for d, a in pairs)
     try:
         with DnsServer(zone) as dns:
             for rep in range(args.repeat):
@@ -235,20 +258,25 @@ def main() -> None:
                     labels.append("Postfix")
                 for label in labels:
                     print(f"  {label}: {title} ...", flush=True)
-                    if label == "Postfix":
-                        r = run_postfix(workdir / f"pf-{rep}", sink, args)
-                    else:
-                        n = int(label.rsplit("x", 1)[1])
-                        r = run_jsqueue(workdir / f"jsq{n}-{rep}", dns, sink, n, args)
+                    sinks = [SlowSink(a, port, args.delay_ms).start() for _, a in pairs]
+                    try:
+                        if label == "Postfix":
+                            r = run_postfix(workdir / f"pf-{rep}", sinks, args)
+                        else:
+                            n = int(label.rsplit("x", 1)[1])
+                            r = run_jsqueue(workdir / f"jsq{n}-{rep}", dns, sinks, n, args)
+                    finally:
+                        for k in sinks:
+                            k.stop()
                     rows.append((label, r))
                     print(
                         f"    delivered {r['rate']:.0f}/s"
                         f"{'' if r['complete'] else ' INCOMPLETE'}, "
-                        f"{r['round_trips']:.2f} round trips/msg, CPU {r['cpu_ms']:.2f} ms/msg",
+                        f"{r['round_trips']:.2f} round trips/msg, CPU {r['cpu_ms']:.2f} ms/msg, "
+                        f"peak {r['peak_sessions']:.0f} sessions per site",
                         flush=True,
                     )
     finally:
-        sink.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     med: dict[str, tuple[float, float, float, int]] = {}
     for label in dict.fromkeys(lbl for lbl, _ in rows):
@@ -257,7 +285,7 @@ def main() -> None:
             statistics.median(r["rate"] for r in mine),
             statistics.median(r["round_trips"] for r in mine),
             statistics.median(r["cpu_ms"] for r in mine),
-            len(mine),
+            int(max(r["peak_sessions"] for r in mine)),
         )
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     lines = [
@@ -265,11 +293,12 @@ def main() -> None:
         f"then released; load average before {load}; medians of {args.repeat} alternating "
         "run(s).",
         "",
-        "| system | delivered msg/s | round trips per message | CPU ms per message |",
-        "|---|---:|---:|---:|",
+        "| system | delivered msg/s | round trips per message | CPU ms per message "
+        "| peak sessions per site (most of any run) |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for label, (rate, rt, cpu, _) in med.items():
-        lines.append(f"| {label} | {rate:.0f} | {rt:.2f} | {cpu:.2f} |")
+    for label, (rate, rt, cpu, peak) in med.items():
+        lines.append(f"| {label} | {rate:.0f} | {rt:.2f} | {cpu:.2f} | {peak} |")
     one = med.get("jsqueue x1")
     lines.append("")
     if one:

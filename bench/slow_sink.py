@@ -8,8 +8,9 @@ real path: the sink measures round trips, not commands. It advertises PIPELINING
 and SMTPUTF8 like a common MX, accepts everything, and discards the message.
 
 Output (stdout, one record per counted message, CR-separated like ``smtp-sink -c``):
-``mesg=N rt=M sess=S``: messages received, round trips (client writes that had to wait
-for a reply: a burst of data after the sink's last reply counts once), sessions.
+``mesg=N rt=M sess=S peak=P``: messages received, round trips (client writes that had to
+wait for a reply: a burst of data after the sink's last reply counts once), sessions, and
+the most sessions that were open at once (what a receiver's per-client limit sees).
 
 Usage: ``python bench/slow_sink.py HOST PORT --delay-ms 50``
 """
@@ -32,9 +33,11 @@ class Counters:
         self.mesg = 0
         self.rt = 0
         self.sess = 0
+        self.open = 0
+        self.peak = 0
 
     def report(self) -> None:
-        sys.stdout.write(f"mesg={self.mesg} rt={self.rt} sess={self.sess}\r")
+        sys.stdout.write(f"mesg={self.mesg} rt={self.rt} sess={self.sess} peak={self.peak}\r")
         sys.stdout.flush()
 
 
@@ -49,6 +52,8 @@ async def session(
 ) -> None:
     loop = asyncio.get_running_loop()
     c.sess += 1
+    c.open += 1
+    c.peak = max(c.peak, c.open)
     replies: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
     last_reply_at = loop.time()
     waiting = True  # the client is waiting for a reply (its next write is a new round trip)
@@ -96,6 +101,7 @@ async def session(
                 reply = b"250 2.0.0 Ok\r\n"
             replies.put_nowait((now + delay_s, reply))
     finally:
+        c.open -= 1
         replies.put_nowait(None)
         with contextlib.suppress(Exception):
             await sender
