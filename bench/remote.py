@@ -260,11 +260,13 @@ def main() -> None:
                     print(f"  {label}: {title} ...", flush=True)
                     sinks = [SlowSink(a, port, args.delay_ms).start() for _, a in pairs]
                     try:
+                        asked = len(dns.queries)
                         if label == "Postfix":
                             r = run_postfix(workdir / f"pf-{rep}", sinks, args)
                         else:
                             n = int(label.rsplit("x", 1)[1])
                             r = run_jsqueue(workdir / f"jsq{n}-{rep}", dns, sinks, n, args)
+                        r["dns_queries"] = (len(dns.queries) - asked) / max(1, r["delivered"])
                     finally:
                         for k in sinks:
                             k.stop()
@@ -273,7 +275,8 @@ def main() -> None:
                         f"    delivered {r['rate']:.0f}/s"
                         f"{'' if r['complete'] else ' INCOMPLETE'}, "
                         f"{r['round_trips']:.2f} round trips/msg, CPU {r['cpu_ms']:.2f} ms/msg, "
-                        f"peak {r['peak_sessions']:.0f} sessions per site",
+                        f"peak {r['peak_sessions']:.0f} sessions per site, "
+                        f"{r['dns_queries']:.2f} DNS queries/msg",
                         flush=True,
                     )
     finally:

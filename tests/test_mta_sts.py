@@ -101,7 +101,9 @@ async def policy_server(certs: Certs) -> AsyncIterator[PolicyServer]:
 @pytest.fixture
 def dns_server() -> AsyncIterator[DnsServer]:
     with DnsServer(ZONE) as dns:
-        dns.add('_mta-sts.strict.example.test. 300 IN TXT "v=STSv1; id=20260301T000000;"')
+        # TTL 0: tests change this record and look again at once; a worker keeps DNS
+        # answers for their TTL (worker.dns_cache_size) and a TTL 0 one not at all.
+        dns.add('_mta-sts.strict.example.test. 0 IN TXT "v=STSv1; id=20260301T000000;"')
         yield dns
 
 
@@ -287,7 +289,7 @@ async def test_policy_change_is_picked_up_through_the_txt_id(
         second = await attempt(engine, ws)
         assert policy_server.hits == 1
         dns_server.zone.records.pop(("_mta-sts.strict.example.test", 16))
-        dns_server.add('_mta-sts.strict.example.test. 300 IN TXT "v=STSv1; id=2;"')
+        dns_server.add('_mta-sts.strict.example.test. 0 IN TXT "v=STSv1; id=2;"')
         third = await attempt(engine, ws)
     assert first.replies[RCPT].enhanced == "4.7.5"
     assert second.replies[RCPT].enhanced == "4.7.5"
@@ -308,7 +310,7 @@ async def test_none_forgets_and_failed_fetch_uses_the_cached_policy(
     assert found.policy is not None and await cache.get("strict.example.test") is not None
     await policy_server.stop()
     dns_server.zone.records.pop(("_mta-sts.strict.example.test", 16))
-    dns_server.add('_mta-sts.strict.example.test. 300 IN TXT "v=STSv1; id=3;"')
+    dns_server.add('_mta-sts.strict.example.test. 0 IN TXT "v=STSv1; id=3;"')
     again = await engine.sts.lookup("strict.example.test")
     assert again.failure == "sts-policy-fetch-error"
     assert again.policy is not None and again.policy.id == "20260301T000000"
@@ -389,7 +391,7 @@ async def test_policy_cache_is_shared_through_jetstream(
     assert cached is not None and StsPolicy.from_json(cached).id == "20260301T000000"
     await policy_server.stop()
     dns_server.zone.records.pop(("_mta-sts.strict.example.test", 16))
-    dns_server.add('_mta-sts.strict.example.test. 300 IN TXT "v=STSv1; id=4;"')
+    dns_server.add('_mta-sts.strict.example.test. 0 IN TXT "v=STSv1; id=4;"')
     second, ws = engine_for(dns_server, policy_server, ca, port, js_stores.policies)
     async with ScriptedMx(MX_HOST, port, name=MX_NAME, tls_abort=True) as mx:
         result = await attempt(second, ws)

@@ -23,6 +23,7 @@ from jsqueue.delivery import (
     deliver_domain,
     resolver_from_settings,
 )
+from jsqueue.delivery.policy.dane import DnssecResolver, DnssecState
 from jsqueue.envelope import Recipient
 from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
 from support.cases import CASES
@@ -329,3 +330,89 @@ async def test_smarthost_and_static_resolvers(dns: DnsServer) -> None:
     assert "recipient domain" not in reply.text
     fixed = [MxTarget(host="h", address="127.0.2.1")]
     assert await StaticResolver(fixed).resolve("x.test") == fixed
+
+
+# --------------------------------------------------------------------------- answer cache
+
+CACHE_ZONE = """
+kept.example.test.     300 IN MX 10 mx.kept.example.test.
+mx.kept.example.test.  300 IN A  127.0.2.101
+fresh.example.test.    0   IN MX 10 mx.fresh.example.test.
+mx.fresh.example.test. 0   IN A  127.0.2.102
+failing.example.test.  MX   SERVFAIL
+gone.example.test.     NXDOMAIN
+"""
+
+
+def asked(dns: DnsServer, name: str, rdtype: str) -> int:
+    """How often the server was asked ``name``/``rdtype``."""
+    return sum(1 for n, t, _ in list(dns.queries) if (n, t) == (name, rdtype))
+
+
+async def test_answers_are_kept_for_their_ttl_and_a_ttl_of_0_is_asked_every_time() -> None:
+    """RFC 1035 §3.2.1, §4.1.3: an answer may be reused for its TTL; one with TTL 0 may
+    not. With ``dns_cache_size`` a second delivery to a domain asks nothing again."""
+    with DnsServer(CACHE_ZONE) as dns:
+        resolver = resolver_for(dns, cache_size=100)
+        for _ in range(3):
+            assert [t.address for t in await resolver.resolve("kept.example.test")] == [
+                "127.0.2.101"
+            ]
+            assert [t.address for t in await resolver.resolve("fresh.example.test")] == [
+                "127.0.2.102"
+            ]
+        assert asked(dns, "kept.example.test", "MX") == 1
+        assert asked(dns, "mx.kept.example.test", "A") == 1
+        assert asked(dns, "mx.kept.example.test", "AAAA") == 1  # NODATA, kept too
+        assert asked(dns, "fresh.example.test", "MX") == 3
+        assert asked(dns, "mx.fresh.example.test", "A") == 3
+
+
+async def test_nxdomain_is_kept_and_a_server_failure_is_asked_again() -> None:
+    """RFC 2308 §5: NXDOMAIN is kept (for the SOA's negative TTL; dnspython's default
+    when the server sends none); RFC 2308 §7.1: a server failure is not kept, so a
+    deferred delivery asks again at its retry."""
+    with DnsServer(CACHE_ZONE) as dns:
+        resolver = resolver_for(dns, cache_size=100)
+        for _ in range(2):
+            with pytest.raises(PermanentDeliveryError) as gone:
+                await resolver.resolve("gone.example.test")
+            assert gone.value.reply.enhanced == "5.1.2"
+            with pytest.raises(TemporaryDeliveryError) as failing:
+                await resolver.resolve("failing.example.test")
+            assert failing.value.reply.enhanced == "4.4.3"
+        assert asked(dns, "gone.example.test", "MX") == 1
+        assert asked(dns, "failing.example.test", "MX") == 2
+
+
+async def test_without_a_cache_every_delivery_asks() -> None:
+    """``worker.dns_cache_size = 0``: nothing is kept (the default is 10 000 answers)."""
+    assert WorkerSettings().dns_cache_size == 10_000
+    with DnsServer(CACHE_ZONE) as dns:
+        settings = WorkerSettings(
+            nameservers=dns.nameservers, nameserver_port=dns.port, dns_cache_size=0
+        )
+        resolver = DnsResolver.from_settings(settings)
+        for _ in range(2):
+            await resolver.resolve("kept.example.test")
+        assert asked(dns, "kept.example.test", "MX") == 2
+        cached = DnsResolver.from_settings(settings.model_copy(update={"dns_cache_size": 10}))
+        for _ in range(2):
+            await cached.resolve("kept.example.test")
+        assert asked(dns, "kept.example.test", "MX") == 3
+
+
+async def test_dnssec_answers_are_kept_but_never_a_bogus_one() -> None:
+    """DANE's validating queries (RFC 7672 §2.1.1): a secure or insecure answer is kept
+    for its TTL; ``bogus`` (SERVFAIL from the validator) is asked again every time, so
+    a validator that recovers is believed at once."""
+    with DnsServer(CACHE_ZONE) as dns:
+        validator = DnssecResolver(dns.nameservers, port=dns.port, timeout_s=0.5, cache_size=10)
+        for _ in range(3):
+            assert await validator.state("kept.example.test", "MX") is DnssecState.INSECURE
+            assert await validator.state("failing.example.test", "MX") is DnssecState.BOGUS
+            lookup = await validator.tlsa("mx.kept.example.test")
+            assert lookup.state is DnssecState.INSECURE and not lookup.records
+        assert asked(dns, "kept.example.test", "MX") == 1
+        assert asked(dns, "_25._tcp.mx.kept.example.test", "TLSA") == 1
+        assert asked(dns, "failing.example.test", "MX") == 3

@@ -362,6 +362,12 @@ class WorkerSettings(_Section):
     nameservers: list[str] = Field(default_factory=list, description="resolver IPs; empty=system")
     nameserver_port: int = Field(53, ge=1, le=65535, description="resolver port")
     dns_timeout_s: float = Field(5.0, gt=0, description="DNS lifetime per lookup, seconds")
+    dns_cache_size: int = Field(
+        10_000,
+        ge=0,
+        description="DNS answers a worker process keeps, each for its TTL (negative answers: "
+        "the SOA's, RFC 2308 §5; failures never); 0 = ask on every delivery",
+    )
     tls: TlsPolicy = Field(TlsPolicy.OPPORTUNISTIC, description="outbound STARTTLS policy")
     tls_policies: dict[str, TlsPolicy] = Field(
         default_factory=dict, description="per-destination-domain TLS policy overrides"

@@ -118,6 +118,28 @@ class _NoData(Exception):
         self.canonical = canonical
 
 
+def stub_resolver(settings: WorkerSettings) -> dns.asyncresolver.Resolver:
+    """A dnspython stub resolver on ``worker.nameservers`` (``/etc/resolv.conf`` when
+    empty) with ``worker.dns_timeout_s`` as its lifetime, keeping up to
+    ``worker.dns_cache_size`` answers for their TTL (dnspython's LRU cache: NXDOMAIN and
+    NODATA for the SOA's negative TTL, RFC 2308 §5; SERVFAIL and timeouts are not kept)."""
+    s = settings
+    return _stub(s.nameservers, s.nameserver_port, s.dns_timeout_s, s.dns_cache_size)
+
+
+def _stub(
+    nameservers: Sequence[str], port: int, timeout_s: float, cache_size: int
+) -> dns.asyncresolver.Resolver:
+    resolver = dns.asyncresolver.Resolver(configure=not nameservers)
+    if nameservers:
+        resolver.nameservers = list(nameservers)
+        resolver.port = port
+    resolver.timeout = resolver.lifetime = timeout_s
+    if cache_size:
+        resolver.cache = dns.resolver.LRUCache(cache_size)
+    return resolver
+
+
 class DnsResolver:
     """MX resolution with dnspython's asyncio stub resolver (RFC 5321 §5.1, RFC 7505).
 
@@ -134,6 +156,7 @@ class DnsResolver:
         max_addresses: at most this many targets are returned per resolve.
         prefer_ipv6: list a host's IPv6 addresses before its IPv4 ones (default IPv4 first).
         rng: random source for shuffling equal preferences (tests pass a seeded one).
+        cache_size: answers kept for their TTL (see :func:`stub_resolver`); 0 = none.
     """
 
     def __init__(
@@ -145,15 +168,9 @@ class DnsResolver:
         max_addresses: int = 5,
         prefer_ipv6: bool = False,
         rng: random.Random | None = None,
+        cache_size: int = 0,
     ) -> None:
-        if nameservers:
-            self._resolver = dns.asyncresolver.Resolver(configure=False)
-            self._resolver.nameservers = list(nameservers)
-            self._resolver.port = port
-        else:
-            self._resolver = dns.asyncresolver.Resolver(configure=True)
-        self._resolver.timeout = timeout_s
-        self._resolver.lifetime = timeout_s
+        self._resolver = _stub(nameservers, port, timeout_s, cache_size)
         self._timeout_s = timeout_s
         self._max = max_addresses
         self._prefer_ipv6 = prefer_ipv6
@@ -161,13 +178,14 @@ class DnsResolver:
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> DnsResolver:
-        """Build from ``worker.nameservers``, ``nameserver_port``, ``dns_timeout_s`` and
-        ``max_mx_addresses``."""
+        """Build from ``worker.nameservers``, ``nameserver_port``, ``dns_timeout_s``,
+        ``max_mx_addresses`` and ``dns_cache_size``."""
         return cls(
             settings.nameservers,
             port=settings.nameserver_port,
             timeout_s=settings.dns_timeout_s,
             max_addresses=settings.max_mx_addresses,
+            cache_size=settings.dns_cache_size,
         )
 
     async def resolve(self, domain: str) -> list[MxTarget]:

@@ -9,6 +9,7 @@ that; so does an unreachable zone: neither may fall back to plaintext, RFC 7672 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -18,9 +19,12 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
+import dns.rdataclass
 import dns.rdatatype
 import dns.rdtypes.ANY.TLSA
+import dns.resolver
 
+from jsqueue.config import OutboundTlsSettings, WorkerSettings
 from jsqueue.delivery.policy.certs import Tlsa
 
 __all__ = ["DnssecResolver", "DnssecState", "TlsaLookup"]
@@ -54,6 +58,13 @@ class TlsaLookup:
         return tuple(r for r in self.records if r.usable)
 
 
+def _state(response: dns.message.Message) -> DnssecState:
+    """A validator's answer: ``bogus`` unless NOERROR or NXDOMAIN, else its AD bit."""
+    if response.rcode() not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
+        return DnssecState.BOGUS
+    return DnssecState.SECURE if response.flags & dns.flags.AD else DnssecState.INSECURE
+
+
 class DnssecResolver:
     """Asks validating resolvers with DO and AD set and reads their AD bit.
 
@@ -61,17 +72,57 @@ class DnssecResolver:
         nameservers: IP addresses of validating resolvers, asked in order.
         port: their port.
         timeout_s: per query, seconds.
+        cache_size: validated answers (secure or insecure; NXDOMAIN and NODATA included)
+            kept for their TTL, the SOA's for a negative one (RFC 2308 §5, by dnspython's
+            :class:`~dns.resolver.Answer`); a ``bogus`` one never is. 0 = none.
     """
 
-    def __init__(self, nameservers: list[str], *, port: int = 53, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        nameservers: list[str],
+        *,
+        port: int = 53,
+        timeout_s: float = 5.0,
+        cache_size: int = 0,
+    ):
         self._nameservers = list(nameservers)
         self._port = port
         self._timeout_s = timeout_s
+        self._cache = dns.resolver.LRUCache(cache_size) if cache_size else None
+
+    @classmethod
+    def from_settings(cls, tls: OutboundTlsSettings, worker: WorkerSettings) -> DnssecResolver:
+        """On ``outbound_tls.dnssec_nameservers`` (``worker.nameservers`` when empty) and
+        their port, with ``worker.dns_timeout_s`` and ``worker.dns_cache_size``."""
+        return cls(
+            list(tls.dnssec_nameservers or worker.nameservers),
+            port=tls.dnssec_nameserver_port or worker.nameserver_port,
+            timeout_s=worker.dns_timeout_s,
+            cache_size=worker.dns_cache_size,
+        )
 
     async def query(self, name: str, rdtype: str) -> tuple[DnssecState, dns.message.Message | None]:
-        """One query; the answer and its state. Never raises: no answer from any resolver
-        is ``bogus`` (the state cannot be known, so nothing may be downgraded)."""
+        """One query (or its answer kept from an earlier one, within its TTL); the answer
+        and its state. Never raises: no answer from any resolver is ``bogus`` (the state
+        cannot be known, so nothing may be downgraded)."""
         qname = dns.name.from_text(name)
+        key = (qname, dns.rdatatype.from_text(rdtype), dns.rdataclass.IN)
+        kept = self._cache.get(key) if self._cache is not None else None
+        if kept is not None:
+            return _state(kept.response), kept.response
+        state, response = await self._ask(qname, rdtype)
+        if (
+            self._cache is not None
+            and state is not DnssecState.BOGUS
+            and isinstance(response, dns.message.QueryMessage)
+        ):
+            with contextlib.suppress(dns.exception.DNSException):  # malformed: not kept
+                self._cache.put(key, dns.resolver.Answer(*key, response))
+        return state, response
+
+    async def _ask(
+        self, qname: dns.name.Name, rdtype: str
+    ) -> tuple[DnssecState, dns.message.Message | None]:
         for server in self._nameservers:
             query = dns.message.make_query(qname, rdtype, want_dnssec=True)
             query.flags |= dns.flags.AD | dns.flags.RD
@@ -81,11 +132,7 @@ class DnssecResolver:
                 )
             except (dns.exception.DNSException, OSError):
                 continue
-            rcode = response.rcode()
-            if rcode not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
-                return DnssecState.BOGUS, response
-            secure = bool(response.flags & dns.flags.AD)
-            return (DnssecState.SECURE if secure else DnssecState.INSECURE), response
+            return _state(response), response
         return DnssecState.BOGUS, None
 
     async def state(self, name: str, rdtype: str) -> DnssecState:

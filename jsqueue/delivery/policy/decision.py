@@ -27,14 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-import dns.asyncresolver
 from cryptography import x509
 
 from jsqueue.config import OutboundTlsSettings, TlsPolicy, WorkerSettings
 from jsqueue.delivery.policy.certs import Verdict, dane_verdict, load_store, webpki_verdict
 from jsqueue.delivery.policy.dane import DnssecResolver, DnssecState
 from jsqueue.delivery.policy.mta_sts import MtaSts, StsLookup, StsMode
-from jsqueue.delivery.resolver import MxTarget
+from jsqueue.delivery.resolver import MxTarget, stub_resolver
 from jsqueue.replies import TlsNote
 from jsqueue.store.policies import MemoryPolicyCache, PolicyCache
 
@@ -121,11 +120,7 @@ class PolicyEngine:
     ) -> None:
         self.settings = settings
         self.worker = worker
-        resolver = dns.asyncresolver.Resolver(configure=not worker.nameservers)
-        if worker.nameservers:
-            resolver.nameservers = list(worker.nameservers)
-            resolver.port = worker.nameserver_port
-        resolver.timeout = resolver.lifetime = worker.dns_timeout_s
+        resolver = stub_resolver(worker)
         ca = settings.mta_sts_ca_file or worker.tls_ca_file
         self.sts = MtaSts(
             resolver,
@@ -136,12 +131,7 @@ class PolicyEngine:
             max_age_s=settings.mta_sts_max_age_s,
             recheck_s=settings.mta_sts_recheck_s,
         )
-        validators = settings.dnssec_nameservers or worker.nameservers
-        self.dnssec = DnssecResolver(
-            list(validators),
-            port=settings.dnssec_nameserver_port or worker.nameserver_port,
-            timeout_s=worker.dns_timeout_s,
-        )
+        self.dnssec = DnssecResolver.from_settings(settings, worker)
         self._ca = ca
         self._roots: list[x509.Certificate] | None = None
 

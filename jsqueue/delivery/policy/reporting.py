@@ -23,7 +23,6 @@ from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import aiosmtplib
-import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
@@ -38,6 +37,7 @@ from jsqueue.delivery.policy.tlsrpt import (
     report_message,
     sessions_by_domain,
 )
+from jsqueue.delivery.resolver import stub_resolver
 from jsqueue.errors import JsqueueError, PolicyError, StoreError
 from jsqueue.events import Event, EventKind, tail
 from jsqueue.store.base import Stores
@@ -96,18 +96,8 @@ class TlsReporter:
         self.stores = stores
         self.submit_host = submit_host or settings.smtp.host
         self.submit_port = submit_port or settings.smtp.port
-        w = settings.worker
-        self._resolver = dns.asyncresolver.Resolver(configure=not w.nameservers)
-        if w.nameservers:
-            self._resolver.nameservers = list(w.nameservers)
-            self._resolver.port = w.nameserver_port
-        self._resolver.timeout = self._resolver.lifetime = w.dns_timeout_s
-        tls = settings.outbound_tls
-        self._dnssec = DnssecResolver(
-            list(tls.dnssec_nameservers or w.nameservers),
-            port=tls.dnssec_nameserver_port or w.nameserver_port,
-            timeout_s=w.dns_timeout_s,
-        )
+        self._resolver = stub_resolver(settings.worker)
+        self._dnssec = DnssecResolver.from_settings(settings.outbound_tls, settings.worker)
 
     async def events(self, day: date) -> list[Event]:
         """The attempt events stored on ``day`` (UTC), read from the events stream.
