@@ -34,9 +34,8 @@ import contextlib
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from jsqueue import limits
@@ -48,6 +47,7 @@ from jsqueue.events import NULL_OBSERVER, Event, EventKind, Observer
 from jsqueue.limits import SiteSnapshot, SiteState, SiteStatus
 from jsqueue.names import probe_key, rate_key, site_key, slot_key
 from jsqueue.replies import Reply
+from jsqueue.site_view import SiteView
 from jsqueue.store.base import DestinationStore
 
 __all__ = ["Destinations"]
@@ -56,12 +56,13 @@ log = logging.getLogger("jsqueue.destinations")
 
 #: Seconds a worker remembers that every slot of a site was taken before it scans again.
 FULL_MEMO_S = 0.5
-#: Seconds a delivery is assumed to hold its session unit before one was measured here.
-HOLD_GUESS_S = 0.1
 #: Weight of the newest measurement in a site's average hold time (an exponential mean).
 HOLD_WEIGHT = 0.1
 #: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
 SITE_NAME_TTL_S = 300.0
+#: Seconds a new session waits for a unit beyond ``slot_wait_s`` (an idle session's QUIT
+#: takes up to jsqueue.delivery.connections.QUIT_TIMEOUT_S) before it opens anyway.
+CONNECT_WAIT_S = 5.0
 #: Compare-and-set tries on a site state or rate bucket before giving up for this time.
 CAS_TRIES = 5
 #: Put-back delay of an item whose site is being probed by another worker, seconds.
@@ -69,28 +70,6 @@ PROBE_WAIT_S = 2.0
 #: A worker's demand for a site (:func:`jsqueue.limits.want`) stands this many times
 #: ``state_refresh_s``: long enough that every holder reads it at its next refresh.
 DEMAND_REFRESHES = 3
-
-
-@dataclass
-class _Site:
-    """A worker's view of one site."""
-
-    name: str
-    slots: dict[int, int] = field(default_factory=dict)  # slot n -> revision we wrote
-    active: int = 0
-    waiters: int = 0
-    wakers: deque[asyncio.Future[None]] = field(default_factory=deque)  # waiters, in order
-    state: SiteState = field(default_factory=SiteState)
-    state_rev: int = 0
-    state_at: float = -1e9  # loop time of the last read
-    full_until: float = 0.0  # loop time
-    tats: dict[str, tuple[float | None, int]] = field(default_factory=dict)
-    probe_rev: int | None = None
-    used_at: float = 0.0
-    deferred: dict[str, int] = field(default_factory=dict)
-    hold_s: float = HOLD_GUESS_S  # mean time a delivery held its unit here
-    paced_until: float = 0.0  # loop time: the last item put back as full is offered again
-    scan: asyncio.Lock = field(default_factory=asyncio.Lock)  # one slot scan at a time
 
 
 class Destinations:
@@ -131,7 +110,7 @@ class Destinations:
         #: (site, n) -> close up to n idle sessions of the site (they count as being
         #: closed until their QUIT completes); set by the composition to the deliverer's.
         self.shed_sessions: Callable[[str, int], None] = lambda site, n: None
-        self._sites: dict[str, _Site] = {}
+        self._sites: dict[str, SiteView] = {}
         self._names: dict[str, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ sites
@@ -162,10 +141,10 @@ class Destinations:
         self._names[domain] = (site, loop.time() + SITE_NAME_TTL_S)
         return site
 
-    def _site(self, name: str) -> _Site:
+    def _site(self, name: str) -> SiteView:
         site = self._sites.get(name)
         if site is None:
-            site = self._sites[name] = _Site(name)
+            site = self._sites[name] = SiteView(name)
         site.used_at = asyncio.get_running_loop().time()
         return site
 
@@ -191,10 +170,12 @@ class Destinations:
             return await self._admit(self._site(site_name))
         except StoreUnavailable as e:
             log.warning("site %s: limits unavailable (%s); delivering unlimited", site_name, e)
-            self._site(site_name).active += 1
+            site = self._site(site_name)
+            site.active += 1
+            site.unlimited += 1
             return Admission(site_name, True)
 
-    async def _admit(self, site: _Site) -> Admission:
+    async def _admit(self, site: SiteView) -> Admission:
         s = self.settings
         state = await self._state(site)
         now = self.clock()
@@ -239,7 +220,7 @@ class Destinations:
                 return self._defer(site, "rate", wait + self.rng.uniform(0, max(1.0, wait)))
         return Admission(site.name, True, probe=probe, at=asyncio.get_running_loop().time())
 
-    def _full_delay(self, site: _Site) -> float:
+    def _full_delay(self, site: SiteView) -> float:
         """Put-back delay of an item of a full site: paced by the site's turnover here
         (:func:`jsqueue.limits.full_put_back`), at most ``full_delay_s``, jittered by
         up to a tenth."""
@@ -270,7 +251,7 @@ class Destinations:
         site = self._site(self.site_known(domain))
         return self._defer(site, "full", self._full_delay(site))
 
-    def _limits(self, site: _Site) -> tuple[int, int]:
+    def _limits(self, site: SiteView) -> tuple[int, int]:
         """(sessions allowed, this worker's fair share of them) by the state last read."""
         s, now = self.settings, self.clock()
         allowed = limits.allowed_sessions(
@@ -279,18 +260,18 @@ class Destinations:
         return allowed, limits.fair_share(allowed, site.state, self.owner, now)
 
     @staticmethod
-    def _max_waiters(site: _Site, share: int) -> int:
+    def _max_waiters(site: SiteView, share: int) -> int:
         """Deliveries that may wait for a unit of ``site`` here: as many as the slots held,
         or the fair share when more (the slots this worker may still get); at least 1."""
         return max(1, len(site.slots), share)
 
     def _defer(
-        self, site: _Site, reason: str, delay_s: float, reply: Reply | None = None
+        self, site: SiteView, reason: str, delay_s: float, reply: Reply | None = None
     ) -> Admission:
         site.deferred[reason] = site.deferred.get(reason, 0) + 1
         return Admission(site.name, False, max(0.05, delay_s), reason, reply)
 
-    async def _unit(self, site: _Site, allowed: int, share: int) -> bool:
+    async def _unit(self, site: SiteView, allowed: int, share: int) -> bool:
         """Reserve a session unit: a slot this worker holds and no session of its own
         uses, else a new slot. Wait up to ``slot_wait_s`` (while this site's waiters here
         are fewer than :meth:`_max_waiters`) for one of ours to free, and, while this
@@ -308,38 +289,28 @@ class Destinations:
             if len(site.slots) < min(share, allowed):  # others hold what we may have
                 await self._want(site)
                 remaining = min(remaining, max(0.01, site.full_until - loop.time()))
-            site.waiters += 1
-            woken = loop.create_future()
-            site.wakers.append(woken)
-            try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken, remaining)
-            finally:
-                site.waiters -= 1
-                if not woken.done() or woken.cancelled():
-                    with contextlib.suppress(ValueError):
-                        site.wakers.remove(woken)
+            await site.wait_turn(remaining)
 
-    def _needed(self, site: _Site) -> int:
+    def _needed(self, site: SiteView) -> int:
         """Units this worker's own sessions of ``site`` use: deliveries under way, plus idle
         sessions its connection cache keeps and those being closed."""
         idle, closing = self.idle_sessions(site.name)
         return site.active + idle + closing
 
-    def _has_unit(self, site: _Site, allowed: int) -> bool:
+    def _has_unit(self, site: SiteView, allowed: int) -> bool:
         usable = sum(1 for n in site.slots if n < allowed)
         idle, closing = self.idle_sessions(site.name)
         # a new delivery reuses an idle session when there is one, else opens its own
         return usable >= site.active + max(idle, 1) + closing
 
-    async def _take_slot(self, site: _Site, allowed: int) -> bool:
+    async def _take_slot(self, site: SiteView, allowed: int) -> bool:
         loop = asyncio.get_running_loop()
         if loop.time() < site.full_until:
             return False
         async with site.scan:  # the waiters of a site scan one after another, not at once
             return loop.time() >= site.full_until and await self._scan(site, allowed)
 
-    async def _scan(self, site: _Site, allowed: int) -> bool:
+    async def _scan(self, site: SiteView, allowed: int) -> bool:
         """Take a slot this worker does not hold: create one number at random (one request
         uncontended); when taken, read them all in one request and compare-and-set each
         free one (absent, expired, a delete marker) until one holds (one by one, 4 workers
@@ -369,23 +340,49 @@ class Destinations:
         session it is to take until it takes it). Synchronous; never raises."""
         site = self._sites.get(site_name)
         if site is not None and site.waiters and self._has_unit(site, self._limits(site)[0]):
-            self._wake(site)
+            site.wake()
 
-    def _free(self, site: _Site) -> None:
-        site.active = max(0, site.active - 1)
-        self._wake(site)
+    def session_closed(self, site_name: str) -> None:
+        """A session of ``site_name`` whose QUIT was under way is gone: a waiting delivery
+        looks again. Synchronous; never raises."""
+        site = self._sites.get(site_name)
+        if site is not None and site.waiters:
+            site.wake()
 
-    @staticmethod
-    def _wake(site: _Site) -> None:
-        """Wake the longest waiting delivery of ``site`` (one unit, one waiter: waking
-        them all made every freed unit cost each waiter a turn of the event loop)."""
-        while site.wakers:
-            woken = site.wakers.popleft()
-            if not woken.done():
-                woken.set_result(None)
+    async def connecting(self, site_name: str) -> None:
+        """Before a new session to ``site_name``: wait until this worker's sessions of the
+        site, the new one counted, fit in the slots it holds. An admission counts on an
+        idle session to reuse when there is one; when the delivery cannot use it (another
+        MX host of the site, another TLS policy) or it was closed meanwhile, a new session
+        would pass the site's limit across the cluster. Then another slot is taken if one
+        is free, else the idle session idle longest is closed and the delivery waits for
+        a unit (its QUIT, a delivery ending) for up to ``slot_wait_s`` plus
+        :data:`CONNECT_WAIT_S` seconds; past that it connects and says so in the log.
+        Returns at once for a delivery not admitted through the limits."""
+        site = self._sites.get(site_name)
+        if site is None or site.active == 0 or site.unlimited:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.slot_wait_s + CONNECT_WAIT_S
+        while True:
+            allowed, _ = self._limits(site)
+            usable = sum(1 for n in site.slots if n < allowed)
+            idle, closing = self.idle_sessions(site_name)
+            if site.active + idle + closing <= usable or await self._take_slot(site, allowed):
                 return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                log.warning("site %s: a session over the %d held opens anyway", site_name, usable)
+                return
+            if (over := min(idle, site.active + idle - usable)) > 0:  # closing ones go anyway
+                self.shed_sessions(site_name, over)
+            await site.wait_turn(min(remaining, FULL_MEMO_S))
 
-    async def _want(self, site: _Site) -> None:
+    def _free(self, site: SiteView) -> None:
+        site.active = max(0, site.active - 1)
+        site.wake()
+
+    async def _want(self, site: SiteView) -> None:
         """Make this worker's demand for ``site`` known (at most one write per
         ``DEMAND_REFRESHES * state_refresh_s / 2``); best effort, never raises."""
         ttl_s = DEMAND_REFRESHES * self.settings.state_refresh_s
@@ -393,7 +390,7 @@ class Destinations:
         with contextlib.suppress(StoreUnavailable):
             await self._change(site, lambda st: limits.want(st, self.owner, now, ttl_s))
 
-    async def _rate(self, site: _Site, kind: str, rate: Rate) -> float:
+    async def _rate(self, site: SiteView, kind: str, rate: Rate) -> float:
         """Take one event from ``site``'s GCRA bucket ``kind``; 0 when taken, else seconds
         to wait. A refusal by the TAT last seen costs no round trip: a TAT only grows."""
         key = rate_key(site.name, kind)
@@ -423,7 +420,7 @@ class Destinations:
         s = self.settings
         return 2 * s.cool_off_s + s.throttle_hold_s + s.throttle_grow_s * s.sessions_of(site)
 
-    async def _state(self, site: _Site, *, fresh: bool = False) -> SiteState:
+    async def _state(self, site: SiteView, *, fresh: bool = False) -> SiteState:
         loop = asyncio.get_running_loop()
         if fresh or loop.time() - site.state_at >= self.settings.state_refresh_s:
             read = await self.store.get(site_key(site.name))
@@ -432,7 +429,7 @@ class Destinations:
         return site.state
 
     async def _change(
-        self, site: _Site, change: Callable[[SiteState], SiteState]
+        self, site: SiteView, change: Callable[[SiteState], SiteState]
     ) -> tuple[SiteState, SiteState]:
         """Apply ``change`` to the shared state by compare-and-set; (before, after)."""
         before = after = site.state
@@ -460,7 +457,7 @@ class Destinations:
                 return before, after
         return before, after
 
-    async def _take_probe(self, site: _Site) -> bool:
+    async def _take_probe(self, site: SiteView) -> bool:
         value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
         rev = await self.store.put(
             probe_key(site.name), value, revision=0, ttl_s=self.settings.probe_ttl_s
@@ -479,7 +476,7 @@ class Destinations:
         site.probe_rev = rev  # (a task that lost leaves the winner's revision alone)
         return True
 
-    async def _drop_probe(self, site: _Site, probe: bool) -> None:
+    async def _drop_probe(self, site: SiteView, probe: bool) -> None:
         if probe and site.probe_rev is not None:
             rev, site.probe_rev = site.probe_rev, None
             with contextlib.suppress(StoreUnavailable):
@@ -504,6 +501,8 @@ class Destinations:
             return
         site = self._site(admission.site)
         self._free(site)
+        if admission.at == 0:  # admitted unlimited (the bucket was unreachable)
+            site.unlimited = max(0, site.unlimited - 1)
         if attempt is not None and admission.at > 0:
             held = asyncio.get_running_loop().time() - admission.at
             site.hold_s += HOLD_WEIGHT * (held - site.hold_s)
@@ -518,7 +517,7 @@ class Destinations:
             if len(site.slots) > share:  # others want the site: give the surplus up
                 await self._trim(site, share)
 
-    async def _feedback(self, site: _Site, attempt: Attempt) -> None:
+    async def _feedback(self, site: SiteView, attempt: Attempt) -> None:
         s = self.settings
         replies = list(attempt.replies.values())
         now = self.clock()
@@ -554,7 +553,7 @@ class Destinations:
             if limits.status(before, now, s.dead_after) is not SiteStatus.UP:
                 self._event(EventKind.SITE_UP, site.name, after, None)
 
-    def _worn(self, site: _Site) -> bool:
+    def _worn(self, site: SiteView) -> bool:
         s = self.settings
         return limits.throttle_worn_off(
             site.state, s.sessions_of(site.name), self.clock(), s.throttle_grow_s
@@ -590,7 +589,7 @@ class Destinations:
 
     # ------------------------------------------------------------------ upkeep
 
-    async def _trim(self, site: _Site, share: int | None = None) -> None:
+    async def _trim(self, site: SiteView, share: int | None = None) -> None:
         """Release slots no session of this worker needs (those at or over the allowed
         limit first); wake a waiter when one is left over. With ``share`` (others want
         the site), keep at most that many: idle sessions over it are closed first (their
@@ -610,7 +609,7 @@ class Destinations:
             with contextlib.suppress(StoreUnavailable):
                 await self.store.delete(slot_key(site.name, n), revision=rev)
         if site.waiters:
-            self._wake(site)
+            site.wake()
 
     async def renew(self) -> None:
         """Renew every slot held by compare-and-set (a lost one is dropped: it expired

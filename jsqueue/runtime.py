@@ -136,6 +136,8 @@ def build_worker(
         sites.idle_sessions = deliverer.idle_sessions
         sites.shed_sessions = deliverer.shed_idle
         deliverer.session_reused = sites.session_reused
+        deliverer.session_closed = sites.session_closed
+        deliverer.opening = sites.connecting
     return Worker(
         cached,
         deliverer,

@@ -451,6 +451,30 @@ async def test_a_delivery_waiting_for_a_unit_goes_when_an_idle_session_is_reused
     assert (await asyncio.wait_for(second, 1.0)).go
 
 
+async def test_a_new_session_waits_until_the_idle_one_it_was_admitted_on_is_closed() -> None:
+    """One slot, one idle session: a delivery is admitted to reuse it. When it cannot
+    (another MX host of the site) and must open a session of its own, ``connecting``
+    closes the idle one and returns only once its QUIT ended (``session_closed``): two
+    sessions of the site are never open at once. With room, it returns at once."""
+    store, clock, sessions = MemoryDestinations(), _Clock(), _Sessions()
+    a = _dest(store, clock, sessions=1, slot_wait_s=10)
+    a.idle_sessions, a.shed_sessions = sessions.count, sessions.shed
+    await a.done(await a.admit("x.test"), OK)
+    sessions.idle["x.test"] = 1  # its session kept idle by the connection cache
+    adm = await a.admit("x.test")
+    assert adm.go  # counting on the idle session
+    opening = asyncio.create_task(a.connecting("x.test"))
+    await asyncio.sleep(0.05)
+    assert not opening.done() and sessions.count("x.test") == (0, 1)  # its QUIT under way
+    sessions.quit_done("x.test")
+    a.session_closed("x.test")
+    await asyncio.wait_for(opening, 1.0)
+    await a.done(adm, OK)
+    adm = await a.admit("x.test")  # no idle session: the slot is this delivery's own
+    await asyncio.wait_for(a.connecting("x.test"), 0.1)
+    assert sessions.count("x.test") == (0, 0)
+
+
 async def test_a_contended_scan_reads_the_slots_in_one_request_and_takes_a_free_one() -> None:
     """Slots 0..5 of a site, all but one held by another worker, the free one a delete
     marker: the scan tries one number, then reads the slots in one batched request and

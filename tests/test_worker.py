@@ -969,3 +969,32 @@ async def test_work_item_ahead_of_its_entry_is_delivered_once_the_entry_is_there
             await eventually(lambda: len(mx.delivered) == 1, what="delivery")
             await eventually(lambda: gone(h, qid), what="entry removed")
         assert mx.delivered[0].rcpt_to == ["u@ahead.example.test"]
+
+
+async def test_a_site_limit_holds_when_a_delivery_cannot_reuse_the_idle_session(
+    queue_harness: Harness,
+) -> None:
+    """A site of two MX hosts (a site group), one session allowed: mail to the first
+    leaves its session idle in the connection cache; mail to the second needs a session
+    of its own, and the idle one is closed (QUIT) before it opens, so the MX never has
+    two sessions of the site at once. (The admission counted on the idle session: the
+    new one used to open beside it, past the limit.)"""
+    h = queue_harness
+    h.dns.add(
+        "one.grp.example.test. 300 IN MX 10 mx1.grp.example.test.\n"
+        "mx1.grp.example.test. 300 IN A 127.0.5.31\n"
+        "two.grp.example.test. 300 IN MX 10 mx2.grp.example.test.\n"
+        "mx2.grp.example.test. 300 IN A 127.0.5.31\n"
+    )
+    h.configure(
+        destinations={"sessions": 1, "groups": {"grp": ["*.grp.example.test"]}},
+        worker={"connection_cache_s": 60.0},
+    )
+    async with ScriptedMx("127.0.5.31", h.mx_port) as mx, h.running():
+        first = await h.submit(b"Subject: one\r\n\r\nx\r\n", ["a@one.grp.example.test"])
+        await eventually(lambda: gone(h, first), what="the first delivered")
+        second = await h.submit(b"Subject: two\r\n\r\nx\r\n", ["b@two.grp.example.test"])
+        await eventually(lambda: gone(h, second), what="the second delivered")
+    assert len(mx.delivered) == 2 and mx.connections == 2
+    assert mx.sessions[0].verbs()[-1] == "QUIT"
+    assert mx.sessions[1].beside == 0, "two sessions of a one-session site at once"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -87,6 +87,9 @@ class ConnectionCache:
         max_idle: idle sessions kept per target at most (more are closed).
         on_take: called when an idle session is taken for reuse (the destination limits
             count an admitted delivery until then; one waiting for a unit looks again).
+        on_closed: called when the QUIT of an idle session being closed has ended.
+        on_connect: awaited before a new session to the cache's site is opened
+            (:meth:`opening`): the destination limits make room for it.
     """
 
     def __init__(
@@ -95,11 +98,15 @@ class ConnectionCache:
         max_age_s: float = 300.0,
         max_idle: int = 20,
         on_take: Callable[[], None] | None = None,
+        on_closed: Callable[[], None] | None = None,
+        on_connect: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.idle_s = idle_s
         self.max_age_s = max_age_s
         self.max_idle = max_idle
         self.on_take = on_take
+        self.on_closed = on_closed
+        self.on_connect = on_connect
         self._idle: dict[CacheKey, list[IdleSession]] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -183,12 +190,23 @@ class ConnectionCache:
                 del self._idle[key]
             self._close(key, idle)
 
+    async def opening(self) -> None:
+        """Before a new session (not one taken from here) is opened: awaits ``on_connect``.
+        Raises what it raises (cancellation)."""
+        if self.on_connect is not None:
+            await self.on_connect()
+
     def _close(self, key: CacheKey, idle: IdleSession) -> None:
         task = asyncio.get_running_loop().create_task(
             quit_smtp(idle.smtp, f"{key.host} [{key.address}] (idle)")
         )
         self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        task.add_done_callback(self._quit_ended)
+
+    def _quit_ended(self, task: asyncio.Task[None]) -> None:
+        self._closing.discard(task)
+        if self.on_closed is not None:
+            self.on_closed()
 
     async def close(self) -> None:
         """QUIT every idle session and keep no more. Idempotent."""

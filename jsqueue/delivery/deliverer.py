@@ -4,7 +4,7 @@ attempt per destination domain, with the outbound sessions kept between deliveri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
 from jsqueue.config import WorkerSettings
@@ -17,6 +17,10 @@ from jsqueue.delivery.resolver import Resolver
 from jsqueue.envelope import Entry, Recipient
 
 __all__ = ["SmtpDeliverer"]
+
+
+async def _nothing(site: str) -> None:
+    """No destination limits: a new session needs no room made."""
 
 
 class SmtpDeliverer:
@@ -55,6 +59,11 @@ class SmtpDeliverer:
         #: site -> None, called when an idle session of the site is taken for reuse (set
         #: by the composition to the destination limits', which count idle sessions).
         self.session_reused: Callable[[str], None] = lambda site: None
+        #: site -> None, called when an idle session of the site being closed is gone.
+        self.session_closed: Callable[[str], None] = lambda site: None
+        #: site -> awaitable, awaited before a new session to the site is opened (set to
+        #: the destination limits', which make room for it among the slots held).
+        self.opening: Callable[[str], Awaitable[None]] = _nothing
 
     def _cache(self, site: str) -> ConnectionCache:
         cache = self._caches.get(site)
@@ -67,6 +76,8 @@ class SmtpDeliverer:
                 max_age_s=self.settings.connection_reuse_s,
                 max_idle=self.settings.concurrency,
                 on_take=lambda: self.session_reused(site),
+                on_closed=lambda: self.session_closed(site),
+                on_connect=lambda: self.opening(site),
             )
         return cache
 

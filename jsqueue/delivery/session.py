@@ -384,6 +384,8 @@ class OutboundSession:
                     await self._release(cache, idle.extensions)
                     return result
         extensions: dict[str, str] = {}
+        if cache is not None:
+            await cache.opening()  # the destination limits make room for a new session
         try:
             await self._connect()
             extensions = await self._hello()

@@ -152,6 +152,9 @@ class Session:
         tls: STARTTLS completed.
         tls_version: negotiated TLS version.
         closed: the connection has ended.
+        beside: sessions of the same server open when this one was accepted (neither
+            closed nor past QUIT: what a receiver's limit per client counts;
+            :class:`ScriptedMx` only).
         reads: the command lines that arrived in each read of the server (one TCP read,
             message content excluded), in order: a pipelined group (RFC 2920) is one read
             holding MAIL, every RCPT and DATA (:class:`SmtpdMx` only).
@@ -164,6 +167,7 @@ class Session:
     tls: bool = False
     tls_version: str | None = None
     closed: bool = False
+    beside: int = 0
 
     def verbs(self) -> list[str]:
         """The command verbs in order, upper case (``["EHLO", "MAIL", ...]``)."""
@@ -390,6 +394,7 @@ class ScriptedMx(_MxBase):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(peer=writer.get_extra_info("peername"))
+        session.beside = sum(not s.closed and "QUIT" not in s.verbs() for s in self.sessions)
         self.sessions.append(session)
         self._writers.append(writer)
         self._notify()
