@@ -344,9 +344,11 @@ class Destinations:
 
     def session_closed(self, site_name: str) -> None:
         """A session of ``site_name`` whose QUIT was under way is gone: a waiting delivery
-        looks again. Synchronous; never raises."""
+        looks again, unless this worker holds more than its fair share (it closed the
+        session to give the slot to a worker that wants the site: a waiter of its own
+        would take it back). Synchronous; never raises."""
         site = self._sites.get(site_name)
-        if site is not None and site.waiters:
+        if site is not None and site.waiters and len(site.slots) <= self._limits(site)[1]:
             site.wake()
 
     async def connecting(self, site_name: str) -> None:

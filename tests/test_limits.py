@@ -475,6 +475,37 @@ async def test_a_new_session_waits_until_the_idle_one_it_was_admitted_on_is_clos
     assert sessions.count("x.test") == (0, 0)
 
 
+async def test_a_quit_ending_over_the_fair_share_wakes_no_waiter_of_the_holder() -> None:
+    """a holds both slots, one delivery under way and one session idle; b wants the site,
+    so a (share 1) closes the idle session to give its slot up. A delivery of a that
+    comes meanwhile waits. When the QUIT ends it is not woken (it would take the slot back
+    and b would wait on): the slot goes to b at a's next rebalance."""
+    store, clock, sessions = MemoryDestinations(), _Clock(), _Sessions()
+    a = _dest(store, clock, sessions=2, slot_wait_s=10)
+    b = _dest(store, clock, sessions=2)
+    a.idle_sessions, a.shed_sessions = sessions.count, sessions.shed
+    first, second = await a.admit("x.test"), await a.admit("x.test")
+    sessions.idle["x.test"] = 1  # the second delivery's session is kept idle
+    await a.done(second, OK)
+    assert not (await b.admit("x.test")).go  # b's demand is written
+    await asyncio.sleep(0.01)  # (state_refresh_s)
+    await a.rebalance()
+    assert sessions.count("x.test") == (0, 1)  # closed for b
+    waiting = asyncio.create_task(a.admit("x.test"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # one delivery and one closing session: both slots
+    sessions.quit_done("x.test")
+    a.session_closed("x.test")
+    await asyncio.sleep(0.05)
+    assert not waiting.done(), "a waiter of a took the slot a closed the session to give up"
+    await a.rebalance()
+    assert await _slots_of(store, a.owner) == 1
+    b._sites["x.test"].full_until = 0  # (b would look again after FULL_MEMO_S)
+    assert (await b.admit("x.test")).go
+    await a.done(first, OK)
+    assert (await asyncio.wait_for(waiting, 1.0)).go
+
+
 async def test_a_contended_scan_reads_the_slots_in_one_request_and_takes_a_free_one() -> None:
     """Slots 0..5 of a site, all but one held by another worker, the free one a delete
     marker: the scan tries one number, then reads the slots in one batched request and
