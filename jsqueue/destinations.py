@@ -343,10 +343,9 @@ class Destinations:
             site.wake()
 
     def session_closed(self, site_name: str) -> None:
-        """A session of ``site_name`` whose QUIT was under way is gone: a waiting delivery
-        looks again, unless this worker holds more than its fair share (it closed the
-        session to give the slot to a worker that wants the site: a waiter of its own
-        would take it back). Synchronous; never raises."""
+        """A session of ``site_name`` being closed is gone: a waiting delivery looks again,
+        unless this worker is over its fair share (it closed the session to give its slot
+        to a worker that wants the site). Synchronous; never raises."""
         site = self._sites.get(site_name)
         if site is not None and site.waiters and len(site.slots) <= self._limits(site)[1]:
             site.wake()
