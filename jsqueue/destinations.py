@@ -60,8 +60,7 @@ FULL_MEMO_S = 0.5
 HOLD_WEIGHT = 0.1
 #: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
 SITE_NAME_TTL_S = 300.0
-#: Seconds a new session waits for a unit beyond ``slot_wait_s`` (an idle session's QUIT
-#: takes up to jsqueue.delivery.connections.QUIT_TIMEOUT_S) before it opens anyway.
+#: Seconds a new session waits for room beyond ``slot_wait_s`` (a QUIT takes up to 5 s).
 CONNECT_WAIT_S = 5.0
 #: Compare-and-set tries on a site state or rate bucket before giving up for this time.
 CAS_TRIES = 5
@@ -352,14 +351,11 @@ class Destinations:
 
     async def connecting(self, site_name: str) -> None:
         """Before a new session to ``site_name``: wait until this worker's sessions of the
-        site, the new one counted, fit in the slots it holds. An admission counts on an
-        idle session to reuse when there is one; when the delivery cannot use it (another
-        MX host of the site, another TLS policy) or it was closed meanwhile, a new session
-        would pass the site's limit across the cluster. Then another slot is taken if one
-        is free, else the idle session idle longest is closed and the delivery waits for
-        a unit (its QUIT, a delivery ending) for up to ``slot_wait_s`` plus
-        :data:`CONNECT_WAIT_S` seconds; past that it connects and says so in the log.
-        Returns at once for a delivery not admitted through the limits."""
+        site, the new one counted, fit in its slots (an admission counts on an idle session
+        the delivery may not use: docs/architecture.md, "A new session waits for room").
+        Takes a free slot, else closes idle sessions and waits for a unit, at most
+        ``slot_wait_s`` + :data:`CONNECT_WAIT_S` seconds; then, or when the bucket is
+        unreachable, it connects and logs it. Never raises but for cancellation."""
         site = self._sites.get(site_name)
         if site is None or site.active == 0 or site.unlimited:
             return
@@ -369,7 +365,11 @@ class Destinations:
             allowed, _ = self._limits(site)
             usable = sum(1 for n in site.slots if n < allowed)
             idle, closing = self.idle_sessions(site_name)
-            if site.active + idle + closing <= usable or await self._take_slot(site, allowed):
+            try:
+                if site.active + idle + closing <= usable or await self._take_slot(site, allowed):
+                    return
+            except StoreUnavailable as e:
+                log.warning("site %s: a session over the %d held opens: %s", site_name, usable, e)
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:

@@ -18,6 +18,7 @@ from jsqueue.admission import site_down_reply
 from jsqueue.config import DestinationSettings, Settings, parse_rate
 from jsqueue.delivery.base import Attempt
 from jsqueue.destinations import FULL_MEMO_S, Destinations
+from jsqueue.errors import StoreUnavailable
 from jsqueue.events import Event, EventKind
 from jsqueue.limits import SiteState, SiteStatus
 from jsqueue.names import key_token, site_key, site_of_key, slot_key, token_text
@@ -473,6 +474,34 @@ async def test_a_new_session_waits_until_the_idle_one_it_was_admitted_on_is_clos
     adm = await a.admit("x.test")  # no idle session: the slot is this delivery's own
     await asyncio.wait_for(a.connecting("x.test"), 0.1)
     assert sessions.count("x.test") == (0, 0)
+
+
+class _FailingPuts(MemoryDestinations):
+    """The memory bucket, its writes refused while ``failing`` (a NATS outage)."""
+
+    failing = False
+
+    async def put(
+        self, key: str, value: dict[str, object], *, revision: int | None, ttl_s: float
+    ) -> int | None:
+        if self.failing:
+            raise StoreUnavailable("destinations bucket: no responders")
+        return await super().put(key, value, revision=revision, ttl_s=ttl_s)
+
+
+async def test_a_new_session_opens_when_the_bucket_fails_while_it_makes_room() -> None:
+    """The wait for room needs another slot and the bucket refuses the write: the session
+    opens (the limits are best effort through an outage, as admission is); the delivery
+    is not failed by a StoreUnavailable from the middle of its SMTP attempt."""
+    store, clock, sessions = _FailingPuts(), _Clock(), _Sessions()
+    a = _dest(store, clock, sessions=2, slot_wait_s=10)
+    a.idle_sessions, a.shed_sessions = sessions.count, sessions.shed
+    await a.done(await a.admit("x.test"), OK)
+    sessions.idle["x.test"] = 1
+    adm = await a.admit("x.test")  # counting on the idle session
+    assert adm.go
+    store.failing = True
+    await asyncio.wait_for(a.connecting("x.test"), 1.0)  # 1 held, 2 needed: no slot, no error
 
 
 async def test_a_quit_ending_over_the_fair_share_wakes_no_waiter_of_the_holder() -> None:
