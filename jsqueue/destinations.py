@@ -361,21 +361,20 @@ class Destinations:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.slot_wait_s + CONNECT_WAIT_S
-        while True:
-            allowed, _ = self._limits(site)
-            usable = sum(1 for n in site.slots if n < allowed)
+        while True:  # (the slots held: a limit lowered since admitted no one waits for)
+            allowed, held = self._limits(site)[0], len(site.slots)
             idle, closing = self.idle_sessions(site_name)
             try:
-                if site.active + idle + closing <= usable or await self._take_slot(site, allowed):
+                if site.active + idle + closing <= held or await self._take_slot(site, allowed):
                     return
             except StoreUnavailable as e:
-                log.warning("site %s: a session over the %d held opens: %s", site_name, usable, e)
+                log.warning("site %s: a session over the %d held opens: %s", site_name, held, e)
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:
-                log.warning("site %s: a session over the %d held opens anyway", site_name, usable)
+                log.warning("site %s: a session over the %d held opens anyway", site_name, held)
                 return
-            if (over := min(idle, site.active + idle - usable)) > 0:  # closing ones go anyway
+            if (over := min(idle, site.active + idle - held)) > 0:  # closing ones go anyway
                 self.shed_sessions(site_name, over)
             await site.wait_turn(min(remaining, FULL_MEMO_S))
 

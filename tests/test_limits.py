@@ -476,6 +476,24 @@ async def test_a_new_session_waits_until_the_idle_one_it_was_admitted_on_is_clos
     assert sessions.count("x.test") == (0, 0)
 
 
+async def test_deliveries_admitted_before_a_throttle_open_their_sessions_at_once() -> None:
+    """Four sessions, four deliveries admitted; one gets 421 and the site's sessions are
+    halved. The three still under way open their sessions without waiting for room (the
+    measure is the slots held): held back for seconds, those to a site going down
+    connected inside its cool-off, as extra probes."""
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, sessions=4)
+    admitted = [await a.admit("x.test") for _ in range(4)]
+    throttled = Attempt(
+        {"a@x.test": Reply(code=421, enhanced="4.7.0", text="too many", remote_host="mx")},
+        "mx",
+    )
+    await a.done(admitted[0], throttled)
+    assert not (await a.admit("x.test")).go  # the lower limit holds new admissions back
+    for _ in admitted[1:]:
+        await asyncio.wait_for(a.connecting("x.test"), 0.2)
+
+
 class _FailingPuts(MemoryDestinations):
     """The memory bucket, its writes refused while ``failing`` (a NATS outage)."""
 
