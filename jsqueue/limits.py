@@ -305,7 +305,7 @@ def full_put_back(
     now_s: float, paced_until: float, ahead: int, hold_s: float, units: int, longest_s: float
 ) -> float:
     """When to offer again an item put back because its site is full here: paced at the rate
-    this worker's units of the site turn over, one item per ``hold_s / units`` seconds,
+    the site's session units turn over, one item per ``hold_s / units`` seconds,
     after the ``ahead`` deliveries waiting for a unit here and after the item put back
     before it (``paced_until``), and at most ``longest_s`` from now. An item is offered
     again about when a unit could take it, neither at once (each offer costs a fetch and a
@@ -319,7 +319,10 @@ def full_put_back(
             ``now_s`` for none.
         ahead: deliveries of the site waiting for a unit in this worker.
         hold_s: how long a delivery holds its unit, seconds (> 0).
-        units: session slots this worker holds of the site (at least 1 is assumed).
+        units: the sessions the site allows now (at least 1 is assumed); the whole site's,
+            not this worker's: with N workers an item may be offered up to N times, but
+            no worker paces a burst over more than the time the site needs to drain it.
+        longest_s: the longest put-back, seconds (``destinations.full_delay_s``).
 
     Returns:
         the time to offer the item again, in ``(now_s, now_s + longest_s]``; it is also

@@ -341,6 +341,7 @@ fresh.example.test.    0   IN MX 10 mx.fresh.example.test.
 mx.fresh.example.test. 0   IN A  127.0.2.102
 failing.example.test.  MX   SERVFAIL
 gone.example.test.     NXDOMAIN
+silent.example.test.   MX   TIMEOUT
 """
 
 
@@ -370,8 +371,9 @@ async def test_answers_are_kept_for_their_ttl_and_a_ttl_of_0_is_asked_every_time
 
 async def test_nxdomain_is_kept_and_a_server_failure_is_asked_again() -> None:
     """RFC 2308 §5: NXDOMAIN is kept (for the SOA's negative TTL; dnspython's default
-    when the server sends none); RFC 2308 §7.1: a server failure is not kept, so a
-    deferred delivery asks again at its retry."""
+    when the server sends none). A server failure or a query with no answer (CASE-12
+    expected 1 and 2) is not kept (RFC 2308 §7 allows up to 5 minutes; jsqueue keeps
+    none), so a deferred delivery asks again at its retry."""
     with DnsServer(CACHE_ZONE) as dns:
         resolver = resolver_for(dns, cache_size=100)
         for _ in range(2):
@@ -381,8 +383,12 @@ async def test_nxdomain_is_kept_and_a_server_failure_is_asked_again() -> None:
             with pytest.raises(TemporaryDeliveryError) as failing:
                 await resolver.resolve("failing.example.test")
             assert failing.value.reply.enhanced == "4.4.3"
+            with pytest.raises(TemporaryDeliveryError) as silent:
+                await resolver.resolve("silent.example.test")
+            assert silent.value.reply.enhanced == "4.4.3"
         assert asked(dns, "gone.example.test", "MX") == 1
         assert asked(dns, "failing.example.test", "MX") == 2
+        assert asked(dns, "silent.example.test", "MX") == 2
 
 
 async def test_without_a_cache_every_delivery_asks() -> None:
