@@ -53,6 +53,7 @@ from jsqueue.envelope import Entry, Recipient, RecipientState, UTCDateTime, utcn
 from jsqueue.errors import StoreUnavailable
 from jsqueue.names import Names
 from jsqueue.replies import Reply
+from jsqueue.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -388,7 +389,7 @@ class JetStreamPublisher:
             return
         await self.flush(timeout_s)
         self._closed = True
-        self._task.cancel()
+        await cancel_and_wait(self._task)
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self.dropped += len(self._buffer)

@@ -75,6 +75,7 @@ from jsqueue.pacing import Pacer
 from jsqueue.saturation import SaturationWatch
 from jsqueue.store.base import AckPending, Lock, Stores
 from jsqueue.store.jetstream.work import JetStreamScheduler
+from jsqueue.tasks import cancel_and_wait
 
 log = logging.getLogger("jsqueue.metrics")
 
@@ -441,7 +442,7 @@ class QueueProbe:
                     await asyncio.wait_for(stop.wait(), self.probe_interval_s)
         finally:
             if scan is not None:
-                scan.cancel()
+                await cancel_and_wait(scan)
                 with contextlib.suppress(asyncio.CancelledError):
                     await scan
             await self.release()

@@ -37,6 +37,7 @@ from jsqueue.retry import RetryPolicy
 from jsqueue.store.base import Stores
 from jsqueue.store.cache import CachedBodyStore
 from jsqueue.store.jetstream import open_jetstream
+from jsqueue.tasks import cancel_and_wait
 from jsqueue.ui.app import DashboardMount
 from jsqueue.ui.pages import destination_rows
 from jsqueue.worker import Worker
@@ -85,7 +86,7 @@ async def embedded_nats(
     try:
         yield [server.url]
     finally:
-        watcher.cancel()
+        await cancel_and_wait(watcher)
         await server.stop()
 
 

@@ -3,8 +3,7 @@
 through a :class:`~jsqueue.delivery.base.Deliverer`, record each recipient's reply by
 compare-and-set, finish (DSNs owed, removal) and only then settle the item. The state
 transitions are :mod:`jsqueue.state`'s, the body layout :mod:`jsqueue.store.layout`'s, the
-compare-and-set loop :mod:`jsqueue.store.cas`'s; ``docs/architecture.md`` (Delivery) says all.
-"""
+compare-and-set loop :mod:`jsqueue.store.cas`'s; ``docs/architecture.md`` (Delivery) says all."""
 
 from __future__ import annotations
 
@@ -41,6 +40,7 @@ from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
 from jsqueue.store.base import Due, Stores, Versioned
+from jsqueue.tasks import cancel_and_wait
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -167,7 +167,7 @@ class Worker:
             halt.set()
             if upkeep is not None:
                 await upkeep
-            beats.cancel()
+            await cancel_and_wait(beats)
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
         if self.stores.presence is not None:
@@ -449,8 +449,8 @@ class Worker:
         body = BodySource(fenced(layout.delivery_body(self.stores, entry), fence), entry.size)
         try:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
-        finally:
-            heartbeat.cancel()
+        finally:  # a lost cancellation would renew the lease after the delivery
+            await cancel_and_wait(heartbeat)
         if self.sites is not None and gate.admission is not None:
             admission, gate.admission = gate.admission, None
             await self.sites.done(admission, delivery)

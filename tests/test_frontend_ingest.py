@@ -6,17 +6,23 @@ Each test names the rule it checks (DESIGN.md §2.1, §3; RFC 5321 §6.1).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import hashlib
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
 
 import pytest
 
 from jsqueue.envelope import Notify, Recipient
 from jsqueue.errors import BodyNotFound, EntryNotFound
-from jsqueue.frontend.ingest import Ingest, NotQueued, Submission
+from jsqueue.frontend import ingest as ingest_module
+from jsqueue.frontend.ingest import BODY_CHUNK, Ingest, NotQueued, Submission
 from jsqueue.names import new_queue_id
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.replies import R451_LOCAL_ERROR
-from jsqueue.store.base import Stores
+from jsqueue.store.base import BodyInfo, BodyStore, Stores
 from support.frontend import FaultyStores, frontend_settings
 from support.nats import read_body
 
@@ -84,6 +90,50 @@ async def test_commit_stores_body_entry_and_one_work_item_per_domain(stores: Sto
         (queue_id, "dest.example.test"),
         (queue_id, "other.example.test"),
     ]
+
+
+class _LosingBodies:
+    """The real body store, whose upload loses one cancellation after the first chunk (as
+    ``asyncio.wait_for`` does on Python 3.11 when a chunk's ack meets it, gh-86296) and
+    then waits for the next chunk."""
+
+    def __init__(self, inner: BodyStore) -> None:
+        self.inner = inner
+        self.reached = asyncio.Event()
+
+    async def _losing(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        source = aiter(chunks)
+        yield await anext(source)
+        self.reached.set()
+        with contextlib.suppress(asyncio.CancelledError):  # lost
+            await asyncio.get_running_loop().create_future()
+        async for chunk in source:
+            yield chunk
+
+    async def put(
+        self, queue_id: str, chunks: AsyncIterable[bytes], *, fresh: bool = False
+    ) -> BodyInfo:
+        return await self.inner.put(queue_id, self._losing(chunks), fresh=fresh)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_an_aborted_upload_ends_though_its_store_lost_a_cancellation(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone in the middle of DATA: the upload is cancelled and its chunks deleted.
+    A lost cancellation left the upload waiting for ever for a next chunk, and the
+    session's end with it; it is cancelled again (``ingest.CANCEL_AGAIN_S``)."""
+    monkeypatch.setattr(ingest_module, "CANCEL_AGAIN_S", 0.1)
+    bodies = _LosingBodies(stores.bodies)
+    losing = dataclasses.replace(stores, bodies=bodies)
+    upload = Ingest(frontend_settings(dedupe_window_s=0), losing).upload(new_queue_id())
+    await upload.write(b"x" * (BODY_CHUNK + 1))
+    await asyncio.wait_for(bodies.reached.wait(), 10)
+    await asyncio.wait_for(upload.abort(), 10)
+    with pytest.raises(BodyNotFound):
+        await stores.bodies.info(upload.queue_id)
 
 
 async def test_small_body_kept_inline_when_configured(stores: Stores) -> None:

@@ -4,6 +4,8 @@ two workers racing, graceful drain, and a 25 MB message. Real nats-server, DNS a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -373,6 +375,102 @@ async def test_drain_waits_for_the_reply_to_a_final_dot_it_sent(queue_harness: H
         async with h.running():
             await asyncio.sleep(1.0)
     assert len(mx.delivered) == 1 and mx.connections == 1
+
+
+class LosesACancellation:
+    """Wraps an async call: once armed, its first call holds the caller until a
+    cancellation reaches it and then returns its result anyway, as ``asyncio.wait_for``
+    does on Python 3.11 when a request's reply arrives in the same event-loop turn as the
+    cancellation (every nats-py request; CPython gh-86296). :attr:`task` is the task it
+    held; :attr:`reached` is set once it holds one."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.armed = True
+        self.reached = asyncio.Event()
+        self.task: asyncio.Task[Any] | None = None
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = await self.call(*args, **kwargs)
+        if self.armed:
+            self.armed = False
+            self.task = asyncio.current_task()
+            self.reached.set()
+            with contextlib.suppress(asyncio.CancelledError):  # lost, as wait_for loses it
+                await asyncio.get_running_loop().create_future()
+        return result
+
+
+class _Presence:
+    """The real presence store, whose first heartbeat after the start loses a cancellation."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.beats = LosesACancellation(inner.beat)
+
+    async def beat(self, owner: str, instance: str, ttl_s: float, *, first: bool = False) -> bool:
+        if first:
+            return bool(await self.inner.beat(owner, instance, ttl_s, first=True))
+        return bool(await self.beats(owner, instance, ttl_s))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_stopped_worker_returns_though_its_presence_heartbeat_lost_a_cancellation(
+    queue_harness: Harness,
+) -> None:
+    """The worker ends its presence heartbeat by cancelling it. A cancellation that meets
+    the reply of the heartbeat's write is lost on Python 3.11 (gh-86296): the heartbeat
+    went on beating and the stopped worker never returned (a pytest worker process was
+    once lost to it). It is cancelled until it has ended (jsqueue.tasks)."""
+    h = queue_harness
+    h.configure(worker={"presence_grace_s": 1.0})
+    w = h.worker()
+    wrapped = _Presence(w.stores.presence)
+    w.stores = dataclasses.replace(w.stores, presence=wrapped)
+    stop = asyncio.Event()
+    task = asyncio.create_task(w.run(stop))
+    try:
+        await asyncio.wait_for(wrapped.beats.reached.wait(), 10)
+        stop.set()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert done, "the stopped worker returned"
+        task.result()
+        beats = wrapped.beats.task
+        assert beats is not None and beats.cancelled()
+    finally:
+        if not task.done():  # a failure above: end it, though its heartbeat runs on
+            task.cancel()
+            await asyncio.wait({task}, timeout=10)
+
+
+async def test_a_lease_heartbeat_that_lost_a_cancellation_ends_with_its_delivery(
+    queue_harness: Harness,
+) -> None:
+    """DESIGN.md §2.3: the heartbeat that renews a delivery's lease is cancelled when the
+    delivery ends. A renewal whose reply meets that cancellation (lost on Python 3.11,
+    gh-86296) kept the heartbeat running after its delivery, renewing a lease nobody held;
+    the delivery now returns only once its heartbeat has ended."""
+    h = queue_harness
+    h.configure(worker={"lease_s": 1.0})
+    domain = "beat.example.test"
+    h.dns.add(one_mx(domain, "127.0.5.21"))
+    answer = asyncio.Event()
+    w = h.worker()
+    renew = LosesACancellation(w._renew)
+    w._renew = renew  # type: ignore[method-assign]
+    async with ScriptedMx("127.0.5.21", h.mx_port, hold=answer) as mx:
+        qid = await h.submit(b"Subject: beat\r\n\r\nbody\r\n", [f"u@{domain}"])
+        async with h.running(w):
+            await asyncio.wait_for(renew.reached.wait(), 15)  # a renewal under way
+            answer.set()
+            await eventually(lambda: gone(h, qid), what="delivered and removed")
+            heartbeat = renew.task
+            assert heartbeat is not None
+            done, _ = await asyncio.wait({heartbeat}, timeout=5)
+            assert done, "the lease heartbeat ended with its delivery"
+    assert len(mx.delivered) == 1
 
 
 async def test_25mb_message_streamed(queue_harness: Harness) -> None:

@@ -43,6 +43,7 @@ from jsqueue.events import EventKind, tail
 from jsqueue.logs import setup_logging
 from jsqueue.names import check_queue_id
 from jsqueue.state import BREAK_WARNING
+from jsqueue.tasks import cancel_and_wait
 from jsqueue.views import Action, EntrySummary, Outcome
 
 app = typer.Typer(
@@ -637,7 +638,7 @@ def events_tail(
         await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if not task.done():
-            task.cancel()
+            await cancel_and_wait(task)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             return

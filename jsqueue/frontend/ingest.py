@@ -25,11 +25,17 @@ from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.replies import R451_LOCAL_ERROR, R452_STORAGE_FULL, Reply
 from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores
 from jsqueue.store.layout import one_chunk
+from jsqueue.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 #: Octets handed to the body store per chunk (DESIGN.md §7: 256 KiB-1 MiB chunks are fast).
 BODY_CHUNK = 256 * 1024
+
+#: Seconds a cancelled upload has to take back its chunks before it is cancelled again
+#: (:func:`jsqueue.tasks.cancel_and_wait`): one cancellation can be lost, and the upload
+#: would then wait for ever for the next chunk of a session that ended.
+CANCEL_AGAIN_S = 10.0
 
 
 def ingest_key(
@@ -84,8 +90,7 @@ async def _stopped(fut: asyncio.Future[Any] | None) -> None:
     (a failure is reported by whoever noticed first)."""
     if fut is None:
         return
-    fut.cancel()
-    await asyncio.wait((fut,))
+    await cancel_and_wait(fut, again_s=CANCEL_AGAIN_S)
     if not fut.cancelled():
         fut.exception()  # retrieved, so asyncio does not report it as lost
 
@@ -259,9 +264,7 @@ class BodyUpload:
         self._buf.clear()
         self.inline = None
         if self._task is not None:
-            if not self._task.done():
-                self._task.cancel()
-            await asyncio.wait((self._task,))
+            await cancel_and_wait(self._task, again_s=CANCEL_AGAIN_S)
             if not self._task.cancelled():
                 self._task.exception()  # retrieved: the failure is reported by the caller
         if not self._touched:

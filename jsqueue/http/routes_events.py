@@ -23,6 +23,7 @@ from jsqueue.http.auth import Role
 from jsqueue.http.context import ApiContext
 from jsqueue.http.models import EventsQuery
 from jsqueue.http.routing import Call, Route
+from jsqueue.tasks import cancel_and_wait
 
 #: Events buffered per client between the stream and the socket.
 CLIENT_BUFFER = 1000
@@ -106,8 +107,7 @@ def events_routes(ctx: ApiContext) -> list[Route]:
             await response.write_eof()
             return response
         finally:
-            if not task.done():
-                task.cancel()
+            await cancel_and_wait(task)
             with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):
                 await task
 

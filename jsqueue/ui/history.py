@@ -42,6 +42,7 @@ from jsqueue.errors import JsqueueError
 from jsqueue.events import Event, EventKind, tail
 from jsqueue.names import Names
 from jsqueue.pacing import Pacer
+from jsqueue.tasks import cancel_and_wait
 
 log = logging.getLogger("jsqueue.ui")
 
@@ -361,8 +362,7 @@ async def _cancel(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
     """Set ``stop`` and cancel ``tasks`` (a pass over a large queue takes long: it is not
     waited for), then wait for them to end."""
     stop.set()
-    for task in tasks:
-        task.cancel()
+    await cancel_and_wait(*tasks)
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -29,6 +29,7 @@ from jsqueue.store.jetstream.policies import JetStreamPolicyCache
 from jsqueue.store.jetstream.presence import JetStreamPresence
 from jsqueue.store.jetstream.provisioning import provision
 from jsqueue.store.jetstream.work import JetStreamScheduler
+from jsqueue.tasks import cancel_and_wait
 
 log = logging.getLogger("jsqueue.store.jetstream")
 
@@ -284,6 +285,5 @@ async def close_nats(nc: NATS) -> None:
     with contextlib.suppress(*NATS_FAILURES, RuntimeError):
         await nc.close()
     task: asyncio.Task[None] | None = getattr(nc, "_reconnection_task", None)
-    while task is not None and not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=RECONNECT_WAIT_S / 5)
+    if task is not None:
+        await cancel_and_wait(task, again_s=RECONNECT_WAIT_S / 5)
