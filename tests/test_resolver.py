@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from jsqueue.config import SmarthostSettings, WorkerSettings
+from jsqueue.config import OutboundTlsSettings, SmarthostSettings, WorkerSettings
 from jsqueue.delivery import (
     BodySource,
     DeliveryEnvelope,
@@ -24,11 +24,13 @@ from jsqueue.delivery import (
     resolver_from_settings,
 )
 from jsqueue.delivery.policy.dane import DnssecResolver, DnssecState
+from jsqueue.delivery.resolver import AnswerCache
 from jsqueue.envelope import Recipient
 from jsqueue.errors import PermanentDeliveryError, TemporaryDeliveryError
 from support.cases import CASES
 from support.dns import DnsServer
 from support.mx import SmtpdMx, ipv6_loopback_available, shared_port, trap
+from support.queue import eventually
 
 DNS_TIMEOUT_S = 0.5
 
@@ -354,7 +356,7 @@ async def test_answers_are_kept_for_their_ttl_and_a_ttl_of_0_is_asked_every_time
     """RFC 1035 §3.2.1, §4.1.3: an answer may be reused for its TTL; one with TTL 0 may
     not. With ``dns_cache_size`` a second delivery to a domain asks nothing again."""
     with DnsServer(CACHE_ZONE) as dns:
-        resolver = resolver_for(dns, cache_size=100)
+        resolver = resolver_for(dns, cache=AnswerCache(100, 300.0))
         for _ in range(3):
             assert [t.address for t in await resolver.resolve("kept.example.test")] == [
                 "127.0.2.101"
@@ -375,7 +377,7 @@ async def test_nxdomain_is_kept_and_a_server_failure_is_asked_again() -> None:
     expected 1 and 2) is not kept (RFC 2308 §7 allows up to 5 minutes; jsqueue keeps
     none), so a deferred delivery asks again at its retry."""
     with DnsServer(CACHE_ZONE) as dns:
-        resolver = resolver_for(dns, cache_size=100)
+        resolver = resolver_for(dns, cache=AnswerCache(100, 300.0))
         for _ in range(2):
             with pytest.raises(PermanentDeliveryError) as gone:
                 await resolver.resolve("gone.example.test")
@@ -408,12 +410,39 @@ async def test_without_a_cache_every_delivery_asks() -> None:
         assert asked(dns, "kept.example.test", "MX") == 3
 
 
+async def test_an_answer_is_kept_at_most_dns_cache_max_ttl_s_whatever_its_ttl() -> None:
+    """``worker.dns_cache_max_ttl_s`` (300 s by default): an answer published with a long
+    TTL (here 300 s) is asked again once the cap has passed, so a record changed or
+    flushed at the resolver is seen within it; within the cap it is not asked again.
+    The same holds for DANE's validating queries."""
+    assert WorkerSettings().dns_cache_max_ttl_s == 300.0
+    with DnsServer(CACHE_ZONE) as dns:
+        settings = WorkerSettings(
+            nameservers=dns.nameservers, nameserver_port=dns.port, dns_cache_max_ttl_s=0.5
+        )
+        resolver = DnsResolver.from_settings(settings)
+        validator = DnssecResolver.from_settings(OutboundTlsSettings(), settings)
+
+        async def asked_again() -> bool:
+            await resolver.resolve("kept.example.test")
+            await validator.state("kept.example.test", "MX")
+            return asked(dns, "kept.example.test", "MX") >= 4
+
+        for _ in range(2):
+            await resolver.resolve("kept.example.test")
+            await validator.state("kept.example.test", "MX")
+        assert asked(dns, "kept.example.test", "MX") == 2  # one each, kept
+        await eventually(asked_again, 5, what="asked again after the cap")
+
+
 async def test_dnssec_answers_are_kept_but_never_a_bogus_one() -> None:
     """DANE's validating queries (RFC 7672 §2.1.1): a secure or insecure answer is kept
     for its TTL; ``bogus`` (SERVFAIL from the validator) is asked again every time, so
     a validator that recovers is believed at once."""
     with DnsServer(CACHE_ZONE) as dns:
-        validator = DnssecResolver(dns.nameservers, port=dns.port, timeout_s=0.5, cache_size=10)
+        validator = DnssecResolver(
+            dns.nameservers, port=dns.port, timeout_s=0.5, cache=AnswerCache(10, 300.0)
+        )
         for _ in range(3):
             assert await validator.state("kept.example.test", "MX") is DnssecState.INSECURE
             assert await validator.state("failing.example.test", "MX") is DnssecState.BOGUS

@@ -368,6 +368,13 @@ class WorkerSettings(_Section):
         description="DNS answers a worker process keeps, each for its TTL (negative answers: "
         "the SOA's, RFC 2308 §5; failures never); 0 = ask on every delivery",
     )
+    dns_cache_max_ttl_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="longest a worker keeps a DNS answer whatever its TTL, seconds: a record "
+        "changed or flushed at the resolver is seen within it",
+    )
     tls: TlsPolicy = Field(TlsPolicy.OPPORTUNISTIC, description="outbound STARTTLS policy")
     tls_policies: dict[str, TlsPolicy] = Field(
         default_factory=dict, description="per-destination-domain TLS policy overrides"

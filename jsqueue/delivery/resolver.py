@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import random
 import socket
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -118,25 +119,52 @@ class _NoData(Exception):
         self.canonical = canonical
 
 
+class AnswerCache(dns.resolver.LRUCache):
+    """dnspython's LRU cache of answers, each kept for its TTL (RFC 1035 §3.2.1; NXDOMAIN
+    and NODATA for the SOA's negative TTL, RFC 2308 §5) but at most ``max_ttl_s``
+    seconds, so that a record changed, or flushed at the resolver, is seen within that
+    whatever TTL it was published with.
+
+    Args:
+        max_size: answers kept (least recently used go first).
+        max_ttl_s: longest an answer is kept, seconds.
+    """
+
+    def __init__(self, max_size: int, max_ttl_s: float) -> None:
+        super().__init__(max_size)
+        self.max_ttl_s = max_ttl_s
+
+    def put(self, key: dns.resolver.CacheKey, value: dns.resolver.Answer) -> None:
+        """Keep ``value`` until its expiration or ``max_ttl_s`` from now, the earlier."""
+        value.expiration = min(value.expiration, time.time() + self.max_ttl_s)
+        super().put(key, value)
+
+
+def answer_cache(settings: WorkerSettings) -> AnswerCache | None:
+    """The cache ``worker.dns_cache_size`` and ``worker.dns_cache_max_ttl_s`` ask for; None
+    when the size is 0."""
+    if not settings.dns_cache_size:
+        return None
+    return AnswerCache(settings.dns_cache_size, settings.dns_cache_max_ttl_s)
+
+
 def stub_resolver(settings: WorkerSettings) -> dns.asyncresolver.Resolver:
     """A dnspython stub resolver on ``worker.nameservers`` (``/etc/resolv.conf`` when
-    empty) with ``worker.dns_timeout_s`` as its lifetime, keeping up to
-    ``worker.dns_cache_size`` answers for their TTL (dnspython's LRU cache: NXDOMAIN and
-    NODATA for the SOA's negative TTL, RFC 2308 §5; SERVFAIL and timeouts are not kept)."""
+    empty) with ``worker.dns_timeout_s`` as its lifetime, keeping answers in
+    :func:`answer_cache` (SERVFAIL and timeouts are not kept)."""
     s = settings
-    return _stub(s.nameservers, s.nameserver_port, s.dns_timeout_s, s.dns_cache_size)
+    return _stub(s.nameservers, s.nameserver_port, s.dns_timeout_s, answer_cache(s))
 
 
 def _stub(
-    nameservers: Sequence[str], port: int, timeout_s: float, cache_size: int
+    nameservers: Sequence[str], port: int, timeout_s: float, cache: AnswerCache | None
 ) -> dns.asyncresolver.Resolver:
     resolver = dns.asyncresolver.Resolver(configure=not nameservers)
     if nameservers:
         resolver.nameservers = list(nameservers)
         resolver.port = port
     resolver.timeout = resolver.lifetime = timeout_s
-    if cache_size:
-        resolver.cache = dns.resolver.LRUCache(cache_size)
+    resolver.cache = cache
     return resolver
 
 
@@ -156,7 +184,7 @@ class DnsResolver:
         max_addresses: at most this many targets are returned per resolve.
         prefer_ipv6: list a host's IPv6 addresses before its IPv4 ones (default IPv4 first).
         rng: random source for shuffling equal preferences (tests pass a seeded one).
-        cache_size: answers kept for their TTL (see :func:`stub_resolver`); 0 = none.
+        cache: the answers kept (:func:`answer_cache`); None = none.
     """
 
     def __init__(
@@ -168,9 +196,9 @@ class DnsResolver:
         max_addresses: int = 5,
         prefer_ipv6: bool = False,
         rng: random.Random | None = None,
-        cache_size: int = 0,
+        cache: AnswerCache | None = None,
     ) -> None:
-        self._resolver = _stub(nameservers, port, timeout_s, cache_size)
+        self._resolver = _stub(nameservers, port, timeout_s, cache)
         self._timeout_s = timeout_s
         self._max = max_addresses
         self._prefer_ipv6 = prefer_ipv6
@@ -179,13 +207,13 @@ class DnsResolver:
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> DnsResolver:
         """Build from ``worker.nameservers``, ``nameserver_port``, ``dns_timeout_s``,
-        ``max_mx_addresses`` and ``dns_cache_size``."""
+        ``max_mx_addresses``, ``dns_cache_size`` and ``dns_cache_max_ttl_s``."""
         return cls(
             settings.nameservers,
             port=settings.nameserver_port,
             timeout_s=settings.dns_timeout_s,
             max_addresses=settings.max_mx_addresses,
-            cache_size=settings.dns_cache_size,
+            cache=answer_cache(settings),
         )
 
     async def resolve(self, domain: str) -> list[MxTarget]:

@@ -26,6 +26,7 @@ import dns.resolver
 
 from jsqueue.config import OutboundTlsSettings, WorkerSettings
 from jsqueue.delivery.policy.certs import Tlsa
+from jsqueue.delivery.resolver import AnswerCache, answer_cache
 
 __all__ = ["DnssecResolver", "DnssecState", "TlsaLookup"]
 
@@ -72,9 +73,10 @@ class DnssecResolver:
         nameservers: IP addresses of validating resolvers, asked in order.
         port: their port.
         timeout_s: per query, seconds.
-        cache_size: validated answers (secure or insecure; NXDOMAIN and NODATA included)
-            kept for their TTL, the SOA's for a negative one (RFC 2308 §5, by dnspython's
-            :class:`~dns.resolver.Answer`); a ``bogus`` one never is. 0 = none.
+        cache: where validated answers (secure or insecure; NXDOMAIN and NODATA included)
+            are kept for their TTL, the SOA's for a negative one (RFC 2308 §5, by
+            dnspython's :class:`~dns.resolver.Answer`), at most its ``max_ttl_s``; a
+            ``bogus`` one never is. None = none.
     """
 
     def __init__(
@@ -83,22 +85,22 @@ class DnssecResolver:
         *,
         port: int = 53,
         timeout_s: float = 5.0,
-        cache_size: int = 0,
+        cache: AnswerCache | None = None,
     ):
         self._nameservers = list(nameservers)
         self._port = port
         self._timeout_s = timeout_s
-        self._cache = dns.resolver.LRUCache(cache_size) if cache_size else None
+        self._cache = cache
 
     @classmethod
     def from_settings(cls, tls: OutboundTlsSettings, worker: WorkerSettings) -> DnssecResolver:
         """On ``outbound_tls.dnssec_nameservers`` (``worker.nameservers`` when empty) and
-        their port, with ``worker.dns_timeout_s`` and ``worker.dns_cache_size``."""
+        their port, with ``worker.dns_timeout_s`` and :func:`answer_cache`."""
         return cls(
             list(tls.dnssec_nameservers or worker.nameservers),
             port=tls.dnssec_nameserver_port or worker.nameserver_port,
             timeout_s=worker.dns_timeout_s,
-            cache_size=worker.dns_cache_size,
+            cache=answer_cache(worker),
         )
 
     async def query(self, name: str, rdtype: str) -> tuple[DnssecState, dns.message.Message | None]:
