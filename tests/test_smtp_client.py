@@ -683,7 +683,8 @@ def test_envelope_from_entry_takes_open_recipients_of_one_domain() -> None:
 
 async def test_next_mx_on_refused_connection_421_and_554_greeting() -> None:
     """RFC 5321 §5.1/§3.1: connection refused, a 421 greeting and a 554 greeting each move
-    on to the next MX; when every MX fails, every recipient is deferred (never bounced)."""
+    on to the next MX; when every MX fails, every recipient is deferred (never bounced).
+    A refused greeting is answered with QUIT (§3.1: a server greeting 554 waits for it)."""
     dead, busy, refusing, good = "127.0.2.90", "127.0.2.91", "127.0.2.92", "127.0.2.93"
     port = shared_port([dead, busy, refusing, good])
     body = BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n")
@@ -703,6 +704,7 @@ async def test_next_mx_on_refused_connection_421_and_554_greeting() -> None:
         assert all_fail.replies[rcpt].is_temporary
         assert "554" in all_fail.replies[rcpt].text
         assert busy_mx.connections == refusing_mx.connections == 1
+        assert refusing_mx.commands == busy_mx.commands == ["QUIT"]
         ok = await deliver(
             [*failing, MxTarget(host="mx4.multi.example.test", address=good)],
             envelope(rcpt),

@@ -16,6 +16,7 @@ fresh one what no reply in sync confirmed. So does a reply impossible for its co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -139,9 +140,16 @@ class GuardedProtocol(SMTPProtocol):
         return bytes(self._buffer[:STRAY_KEEP_OCTETS]) + bytes(self.stray)
 
 
+#: Longest wait for the reply to the QUIT sent after a refused greeting, seconds.
+REFUSAL_QUIT_S = 5.0
+
+
 class GuardedSMTP(aiosmtplib.SMTP):
     """aiosmtplib's client over a connected socket (``sock=``), with a
-    :class:`GuardedProtocol`; otherwise as aiosmtplib's ``_create_connection``."""
+    :class:`GuardedProtocol`; otherwise as aiosmtplib's ``_create_connection``, except
+    that a greeting other than 220 is answered with QUIT before the connection is closed
+    (RFC 5321 §3.1: a server that greets with 554 waits for the client's QUIT; its reply
+    is read for up to :data:`REFUSAL_QUIT_S`, best effort)."""
 
     async def _create_connection(self, timeout: float | None) -> SMTPResponse:  # noqa: ASYNC109 (aiosmtplib's signature)
         loop = self.loop
@@ -167,6 +175,9 @@ class GuardedSMTP(aiosmtplib.SMTP):
                 "Timed out waiting for server ready message"
             ) from exc
         if response.code != 220:
+            with contextlib.suppress(aiosmtplib.SMTPException, OSError, TimeoutError):
+                protocol.write(b"QUIT\r\n")
+                await protocol.read_response(timeout=min(timeout or REFUSAL_QUIT_S, REFUSAL_QUIT_S))
             raise aiosmtplib.SMTPConnectResponseError(response.code, response.message)
         return response
 
