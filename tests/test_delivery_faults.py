@@ -215,8 +215,8 @@ async def test_a_recipient_limit_per_connection_sends_the_rest_on_new_connection
 @pytest.mark.parametrize(
     ("full_reply", "enhanced", "text"),
     [
-        ("552 5.2.2 mailbox full", "4.2.2", "mailbox full (552 5.2.2 to RCPT"),
-        ("552 quota exceeded", None, "quota exceeded (552 to RCPT"),
+        ("552 5.2.2 mailbox full", "4.2.2", "mailbox full"),
+        ("552 quota exceeded", None, "quota exceeded"),
     ],
 )
 async def test_any_other_552_to_rcpt_defers_its_recipient_only(
@@ -226,9 +226,9 @@ async def test_any_other_552_to_rcpt_defers_its_recipient_only(
     §3.3: X.2.2 mailbox full is a persistent transient failure), as Postfix does: the
     recipient is deferred with ``452`` (class 4 enhanced code, the server's text kept),
     never bounced at once; not being a recipient limit, it does not hold back the others,
-    which are delivered in the same transaction. The server's own codes are kept: the
-    DSN's Diagnostic-Code says ``552`` (RFC 3464 §2.3.6), also after the reply went
-    through an entry's JSON."""
+    which are delivered in the same transaction. The server's own codes and text are
+    kept: the DSN's Diagnostic-Code is the reply as the server sent it (RFC 3464 §2.3.6),
+    also after the reply went through an entry's JSON."""
     host = "127.0.2.122"
     port = shared_port([host])
     a, full, c = "a@limit.example.test", "full@limit.example.test", "c@limit.example.test"
@@ -242,14 +242,12 @@ async def test_any_other_552_to_rcpt_defers_its_recipient_only(
     assert result.delivered == [a, c] and result.deferred == [full] and result.failed == []
     recorded = result.replies[full]
     assert recorded.code == 452 and recorded.is_temporary
-    assert recorded.enhanced == enhanced and recorded.text.startswith(text)
+    assert recorded.enhanced == enhanced and recorded.text == text
     assert [t.rcpt_to for t in mx.delivered] == [[a, c]]
     sent = full_reply.split(" ", 2)[0] if enhanced is None else " ".join(full_reply.split()[:2])
     stored = Reply.model_validate_json(recorded.model_dump_json())
     assert stored.sent == sent
-    assert diagnostic_code(stored)[0].startswith(f"smtp; {sent} {text.split(' (')[0]}")
-    # the note jsqueue adds is ASCII: the DSN's Diagnostic-Code has no character replaced
-    assert "?" not in "".join(diagnostic_code(stored)) and "section 4.5.3.1.10" in stored.text
+    assert diagnostic_code(stored) == [f"smtp; {full_reply}"]
 
 
 async def test_worker_records_every_recipient_past_a_limit_delivered(

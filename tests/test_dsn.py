@@ -293,6 +293,37 @@ def test_case22_human_readable_part() -> None:
     assert "a@ok.example.test" not in flat
 
 
+@pytest.mark.parametrize(
+    ("sent", "recorded"),
+    [
+        ("552 5.2.2 mailbox full", Reply(code=452, enhanced="4.2.2", text="mailbox full")),
+        ("552 quota exceeded", Reply(code=452, text="quota exceeded")),
+        (
+            "552 5.5.3 Too many recipients",
+            Reply(code=452, enhanced="4.5.3", text="Too many recipients"),
+        ),
+    ],
+)
+def test_a_552_taken_as_temporary_is_reported_as_the_server_sent_it(
+    sent: str, recorded: Reply
+) -> None:
+    """RFC 3464 §2.3.6: the Diagnostic-Code of type smtp is the reply the remote MTA
+    issued, here the 552 to RCPT jsqueue recorded as 452 (RFC 5321 §4.5.3.1.10) and
+    reported when the message expired; why it was retried is said in the human-readable
+    part, not mixed into the diagnostic."""
+    codes = " ".join(sent.split()[:2]) if sent.split()[1][0].isdigit() else "552"
+    reply = recorded.model_copy(update={"remote_host": "mx.full.example.test", "sent": codes})
+    r = recipient("a@full.example.test", RecipientState.DEFERRED, reply, attempts=3)
+    e = entry([r])
+    data = build_dsn(e, [r], Action.FAILED, reporting_mta=MTA, now=ATTEMPT, original=CASE22_MESSAGE)
+    msg = parse(data)
+    block = by_recipient(msg)["rfc822; a@full.example.test"]
+    assert block["Diagnostic-Code"] == f"smtp; {sent}"
+    assert block["Status"] == "4.4.7"
+    flat = " ".join(parts(msg)[0].get_content().split())
+    assert f"its {codes} to RCPT was taken as temporary: RFC 5321 section 4.5.3.1.10" in flat
+
+
 def test_case22_original_headers_returned() -> None:
     """RFC 3462 / RFC 6522 §3 (RET default = headers): part 3 holds the original header
     section, not the body."""

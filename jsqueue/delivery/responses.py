@@ -129,7 +129,8 @@ def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
 
     - The limit (:func:`too_many_recipients`): :func:`limit_reply`, temporary.
     - Any other ``552``: temporary too, as ``452`` with the enhanced code's class 4, the
-      server's text kept and its codes in ``sent`` (for the DSN's Diagnostic-Code). RFC
+      server's text unchanged and its codes in ``sent`` (the DSN's Diagnostic-Code is the
+      reply the server sent, RFC 3464 §2.3.6; its human-readable part says why). RFC
       5321 §4.5.3.1.10: clients SHOULD treat a 552 to RCPT as temporary (RFC 821 listed
       it for the recipient limit, and servers still send it for that in words of their
       own); RFC 3463 §3.3: X.2.2 mailbox full is a persistent transient failure. It is
@@ -141,19 +142,19 @@ def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
     if reply.code == 552:
         enhanced = None if reply.enhanced is None else "4" + reply.enhanced[1:]
         was = "552" if reply.enhanced is None else f"552 {reply.enhanced}"
-        text = f"{reply.text} ({was} to RCPT, treated as temporary: RFC 5321 section 4.5.3.1.10)"
-        update = {"code": 452, "enhanced": enhanced, "text": text, "sent": was}
+        update = {"code": 452, "enhanced": enhanced, "sent": was}
         return reply.model_copy(update=update), False
     return reply, False
 
 
 def limit_reply(reply: Reply, remote_host: str | None) -> Reply:
     """A recipient-limit reply (:func:`too_many_recipients`) as recorded: always temporary;
-    a 552 becomes ``452 4.5.3`` with the server's reply in the text and its codes in
-    ``sent`` (RFC 5321 §4.5.3.1.10: clients SHOULD treat it as temporary). Pure."""
+    a 552 becomes ``452 4.5.3`` with the server's text unchanged (ours when it sent none)
+    and its codes in ``sent`` (RFC 5321 §4.5.3.1.10: clients SHOULD treat it as
+    temporary; RFC 3464 §2.3.6: a DSN's Diagnostic-Code is the reply as sent). Pure."""
     if reply.is_temporary:
         return reply
-    text = f"{R452_TOO_MANY_RECIPIENTS.text} ({reply})"
+    text = reply.text or R452_TOO_MANY_RECIPIENTS.text
     sent = str(reply.code) if reply.enhanced is None else f"{reply.code} {reply.enhanced}"
     update = {"text": text, "remote_host": remote_host, "sent": sent}
     return R452_TOO_MANY_RECIPIENTS.model_copy(update=update)

@@ -430,6 +430,9 @@ def _human_text(
                     break_on_hyphens=False,
                 )
             )
+            if reply.sent is not None:  # recorded under another code (delivery.responses)
+                note = f"(its {_ascii(reply.sent)} to RCPT was taken as temporary: RFC 5321 "
+                block.append(f"      {note}section 4.5.3.1.10)")
         para.append("\n".join(block))
     return "\n\n".join(para) + "\n"
 
