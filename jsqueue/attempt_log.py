@@ -75,12 +75,10 @@ def log_cut_further(
     observer.emit(entry_event(EventKind.TOO_LARGE, entry, source=source, at=at, detail=detail))
 
 
-def log_expired(
-    observer: Observer, source: str, at: datetime, before: Entry, entry: Entry, domain: str
-) -> None:
-    """One line and one ``expired`` event per recipient of ``domain`` that was open in
+def log_expired(observer: Observer, source: str, at: datetime, before: Entry, entry: Entry) -> None:
+    """One line and one ``expired`` event per recipient, of any domain, that was open in
     ``before`` and is final in ``entry`` (its queue lifetime ran out, RFC 5321 §4.5.4.1)."""
-    was_open = {r.address for r in before.open_recipients(domain)}
+    was_open = {r.address for r in before.recipients if not r.state.is_final}
     for r in entry.recipients:
         if r.address in was_open and r.state.is_final:
             log.info(

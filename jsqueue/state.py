@@ -423,7 +423,9 @@ def expire_all(
     not owed an attempt expire here: never tried (a message older than its lifetime when
     first picked up), or put off past the deadline without an attempt (a flush after the
     deadline); with ``tries`` False (the destination site is down: no try can be made now,
-    RFC 5321 §4.5.4.1) every open recipient past the deadline expires.
+    RFC 5321 §4.5.4.1) every open recipient past the deadline expires. Open recipients of
+    the other domains that no attempt holds and no final try is owed expire with them, so
+    that one DSN reports them all (RFC 3464 §2; :func:`settled` waits for the tries owed).
 
     Returns:
         the new entry, or None when the lifetime has not run out, or (with ``tries``) an
@@ -433,29 +435,38 @@ def expire_all(
     open_ = entry.open_recipients(domain)
     if now < deadline or not open_:
         return None
-    if tries and any(
-        r.attempts and r.next_attempt_at is not None and r.next_attempt_at <= deadline
-        for r in open_
-    ):
+    if tries and any(_owed_a_try(r, deadline) for r in open_):
         return None
     new = _copy(entry)
     new.leases.pop(domain, None)
     final_fail = RecipientState.FAILED if entry.reverse_path == "" else RecipientState.BOUNCED
-    for r in new.open_recipients(domain):
+    for r in new.recipients:
+        here = r.domain == domain
+        if r.state.is_final or (not here and (r.domain in new.leases or _owed_a_try(r, deadline))):
+            continue
         r.state, r.next_attempt_at = final_fail, None
         if r.last_reply is None:
             r.last_reply = replies.R451_EXPIRED
     return new
 
 
-def settled(entry: Entry) -> bool:
-    """True when no recipient is pending or active: every destination has had its say.
+def _owed_a_try(r: Recipient, deadline: datetime) -> bool:
+    """Whether ``r`` failed and is owed its next try, due by ``deadline`` (jsqueue.retry)."""
+    return bool(r.attempts) and r.next_attempt_at is not None and r.next_attempt_at <= deadline
+
+
+def settled(entry: Entry, now: datetime | None = None, deadline: datetime | None = None) -> bool:
+    """True when no recipient is pending or active, nor (from ``deadline``, the end of the
+    lifetime, on) deferred and owed a final try: every destination has had its say.
 
     DSNs are sent only for a settled entry, so that one DSN lists every recipient the event
-    concerns across all destination domains (RFC 3464 §2: one report per message and event).
-    """
+    concerns across all destination domains (RFC 3464 §2: one report per message and event),
+    also those of several domains whose lifetime ran out together."""
+    late = deadline if deadline is not None and now is not None and now >= deadline else None
     return not any(
-        r.state in (RecipientState.PENDING, RecipientState.ACTIVE) for r in entry.recipients
+        r.state in (RecipientState.PENDING, RecipientState.ACTIVE)
+        or (late is not None and r.state is RecipientState.DEFERRED and _owed_a_try(r, late))
+        for r in entry.recipients
     )
 
 

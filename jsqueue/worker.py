@@ -405,9 +405,7 @@ class Worker:
                 if expired is not None:
                     before = v.entry
                     v = await self._update(expired, v.revision)
-                    log_expired(
-                        self.observer, self._source, self.clock(), before, v.entry, item.domain
-                    )
+                    log_expired(self.observer, self._source, self.clock(), before, v.entry)
                     await self._finish(v)
                     await due.ack()
                     return None
@@ -678,7 +676,8 @@ class Worker:
             if fresh is None:
                 return
             v = fresh
-            if not state.settled(v.entry):
+            deadline = self._policy(v.entry).deadline(v.entry.created_at)
+            if not state.settled(v.entry, self.clock(), deadline):
                 return
             marked = await self.notifier.notify(v.entry, self.clock())
             try:

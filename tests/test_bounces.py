@@ -6,11 +6,13 @@ from __future__ import annotations
 import base64
 import email.utils
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
 
+from jsqueue.admin import Admin
 from jsqueue.envelope import RecipientState
+from jsqueue.views import Outcome
 from support.cases import case_message, case_text
 from support.frontend import split_body
 from support.mx import ScriptedMx, Session, SmtpdMx
@@ -169,6 +171,53 @@ async def test_one_dsn_per_event_then_expiry(queue_harness: Harness) -> None:
     assert [str(g["Final-Recipient"]) for g in second] == ["rfc822; soft@four.example.test"]
     assert second[0]["Status"] == "4.4.7"
     assert "451 4.3.0 try later" in str(second[0]["Diagnostic-Code"])
+
+
+async def test_an_expiry_reports_every_destination_in_one_dsn(queue_harness: Harness) -> None:
+    """RFC 3464 §2 (one report per message and event), RFC 5321 §4.5.4.1: a message
+    deferred at two domains whose lifetime has run out (here ``retry.max_age_s`` lowered
+    after the attempts, their retries an hour away) is expired at the first domain's
+    claim for both: one DSN names the two recipients with 4.4.7 and each one's last
+    remote reply (it used to take one DSN per domain, each when its work item came due)."""
+    h = queue_harness
+    h.configure(retry={"base_s": 3600.0})
+    a, b = "u@a.expiry.example.test", "v@b.expiry.example.test"
+    h.dns.add(
+        SENDER_ZONE
+        + one_mx("a.expiry.example.test", "127.0.2.63")
+        + one_mx("b.expiry.example.test", "127.0.2.64")
+    )
+    async with (
+        ScriptedMx("127.0.2.63", h.mx_port, rcpt="451 4.3.0 try later") as mx_a,
+        ScriptedMx("127.0.2.64", h.mx_port, rcpt="452 4.2.2 mailbox full") as mx_b,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(b"Subject: two sites\r\n\r\nbody\r\n", [a, b])
+        async with h.running():
+            await eventually(lambda: min(mx_a.connections, mx_b.connections) > 0, what="tried")
+            await eventually(lambda: tried_twice(h, qid), what="both recorded")
+        h.configure(retry={"max_age_s": 0.5})  # the lifetime has run out
+        e = await h.entry(qid)
+        assert e is not None
+        deadline = e.created_at + timedelta(seconds=0.5)
+        await eventually(lambda: datetime.now(UTC) > deadline, what="past the lifetime")
+        assert (await Admin(h.stores).flush(qid, "a.expiry.example.test")).outcome is Outcome.DONE
+        async with h.running():
+            await eventually(lambda: gone(h, qid), what="both expired and the entry removed")
+            await eventually(lambda: len(sender_mx.delivered) >= 1, what="the DSN")
+    assert len(sender_mx.delivered) == 1, "one DSN for the message"
+    assert mx_a.connections == mx_b.connections == 1, "no try after the lifetime"
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    found = {str(g["Final-Recipient"]): g for g in groups}
+    assert sorted(found) == [f"rfc822; {a}", f"rfc822; {b}"]
+    assert {str(g["Status"]) for g in groups} == {"4.4.7"}
+    assert "451 4.3.0 try later" in str(found[f"rfc822; {a}"]["Diagnostic-Code"])
+    assert "452 4.2.2 mailbox full" in str(found[f"rfc822; {b}"]["Diagnostic-Code"])
+
+
+async def tried_twice(h: Harness, queue_id: str) -> bool:
+    e = await h.entry(queue_id)
+    return e is not None and all(r.attempts == 1 and not e.leases for r in e.recipients)
 
 
 async def test_the_final_try_at_the_deadline_is_made(queue_harness: Harness) -> None:

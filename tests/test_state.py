@@ -270,6 +270,33 @@ def test_the_final_try_at_the_deadline_is_made_before_anything_expires() -> None
     assert expire_all(put_off, "mixed.example.test", deadline + timedelta(minutes=5), POLICY)
 
 
+def test_a_lifetime_that_runs_out_ends_every_destination_for_one_dsn() -> None:
+    """RFC 3464 §2 (one report per message and event), RFC 5321 §4.5.4.1: once the
+    lifetime has run out, the expiry at one domain's claim also expires the open
+    recipients of the other domains that are owed no final try and that no attempt holds;
+    one owed its final try is left for that try, and :func:`settled` waits for it (past
+    the deadline, not before), so that every expired recipient is in one DSN."""
+    one, two, three, four = (f"{u}@{u}.example.test" for u in ("one", "two", "three", "four"))
+    e = make_entry(one, two, three, four)
+    deadline = POLICY.deadline(T0)
+    for r in e.recipients:
+        r.state, r.attempts = RecipientState.DEFERRED, 1
+        r.next_attempt_at = deadline + timedelta(hours=1)  # put off past the deadline
+    e.recipients[2].next_attempt_at = deadline  # three: owed its final try
+    e.leases["four.example.test"] = Lease(owner="w", until=deadline + timedelta(minutes=5))
+    late = deadline + timedelta(hours=1)
+    new = expire_all(e, "one.example.test", late, POLICY)
+    assert new is not None
+    assert [r.state.value for r in new.recipients] == ["bounced", "bounced", "deferred", "deferred"]
+    assert new.recipients[1].last_reply == replies.R451_EXPIRED
+    new.leases.pop("four.example.test")
+    new.recipients[3].state = RecipientState.BOUNCED
+    assert settled(new) and settled(new, deadline - timedelta(seconds=1), deadline)
+    assert not settled(new, late, deadline), "three's final try is still owed"
+    new.recipients[2].state = RecipientState.BOUNCED
+    assert settled(new, late, deadline)
+
+
 def test_settled_waits_for_every_destination() -> None:
     """One DSN per message and event (RFC 3464 §2): not while another domain is pending."""
     e = make_entry("a@one.example.test", "b@two.example.test")
