@@ -118,7 +118,31 @@ INVALID = [
         id="env-json",
     ),
     pytest.param({}, "[retry]\nbase_s = -1\n", r"retry\.base_s: .*greater than 0", id="toml"),
-    pytest.param({}, "[smtp]\nprot = 25\n", r"smtp\.prot: Extra inputs", id="toml-unknown"),
+    pytest.param(
+        {},
+        "[smtp]\nprot = 25\n",
+        r"smtp\.prot: no such setting \(did you mean smtp\.port\?\); see docs/configuration\.md$",
+        id="toml-unknown",
+    ),
+    pytest.param(
+        {},
+        "[worker.smarthost]\nhots = 'relay.example.test'\n",
+        r"worker\.smarthost\.hots: no such setting \(did you mean worker\.smarthost\.host\?\)",
+        id="toml-unknown-nested",
+    ),
+    pytest.param(
+        {},
+        "[wroker]\nmx_port = 25\n",
+        r"wroker: no such setting \(did you mean worker\?\)",
+        id="toml-section",
+    ),
+    pytest.param(
+        {"JSQUEUE_WORKER": '{"mx_prot": 25}'},
+        None,
+        r"worker\.mx_prot: no such setting \(did you mean worker\.mx_port\?\)"
+        r".*\(from JSQUEUE_WORKER\)$",
+        id="env-json-unknown",
+    ),
     pytest.param(
         {}, "[smtp]\ninline_body_max = true\n", r"smtp\.inline_body_max: .*true/false", id="bool"
     ),

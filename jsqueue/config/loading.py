@@ -50,9 +50,11 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     try:
         return Settings(**overrides)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()  # a misspelt key first: a required setting missing follows from it
+        err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
         where = _location(err["loc"])
-        raise ConfigError(_one_line(f"{where}: {err['msg']}{_from_env(where)}")) from None
+        msg = _no_such_setting(where) if err["type"] == "extra_forbidden" else err["msg"]
+        raise ConfigError(_one_line(f"{where}: {msg}{_from_env(where)}")) from None
     except SettingsError as e:
         raise ConfigError(_one_line(_env_error(e))) from None
     except (tomllib.TOMLDecodeError, OSError) as e:
@@ -115,6 +117,23 @@ def _check_environment(environ: os._Environ[str] | dict[str, str]) -> None:
             f"{name}: no such setting{hint}; sections and names are joined with '__', "
             "see docs/configuration.md"
         )
+
+
+def _no_such_setting(where: str) -> str:
+    """``no such setting (did you mean worker.mx_port?)`` for an unknown TOML key (or JSON
+    key of a ``JSQUEUE_…`` table) at dotted path ``where``, with the closest real
+    setting, section or table as a hint."""
+    known = {p for path in setting_paths() for p in _prefixes(path)}
+    bare = re.sub(r"\[\d+\]", "", where)
+    close = difflib.get_close_matches(bare, sorted(known), n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"no such setting{hint}; see docs/configuration.md"
+
+
+def _prefixes(path: str) -> list[str]:
+    """``a``, ``a.b``, ``a.b.c`` for ``a.b.c``: a setting and the tables holding it."""
+    parts = path.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
