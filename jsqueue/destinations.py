@@ -24,8 +24,7 @@ What is shared, per site (keys in :mod:`jsqueue.names`):
 Hot path: a delivery that reuses a slot this worker holds costs no round trip; the site
 state is read at most once per ``state_refresh_s`` per site and worker; a message rate
 costs one compare-and-set per message; a new session one create (more when slots are
-contended) and one delete when it ends.
-"""
+contended) and one delete when it ends."""
 
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ class Destinations:
             delay and reason; for a dead site (RFC 5321 §4.5.4.1) the ``451 4.4.1 … down
             until …`` reply and the end of its cool-off. When the bucket is unreachable
             the item is admitted (limits are best effort against an outage of NATS, which
-            stops the queue anyway).
-        """
+            stops the queue anyway)."""
         site_name = await self.site_for(domain)
         try:
             return await self._admit(self._site(site_name))
@@ -495,8 +493,7 @@ class Destinations:
         session of this worker needs any more are kept until the next :meth:`renew` (every
         ``slot_ttl_s / 3``), not released here: the next delivery mostly needs one again,
         and a release per message cost two KV writes per message (``bench/README.md``,
-        Destinations). Never raises.
-        """
+        Destinations). Never raises."""
         if not admission.go:
             return
         site = self._site(admission.site)
@@ -604,10 +601,8 @@ class Destinations:
             needed = max(min(needed, share), in_use)
         for n in sorted(site.slots)[needed:]:  # the lowest numbers are kept
             rev = site.slots.pop(n, None)
-            if rev is None:  # another task of ours released it meanwhile
-                continue
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.delete(slot_key(site.name, n), revision=rev)
+            if rev is not None:  # (else another task of ours released it meanwhile)
+                await self._release(slot_key(site.name, n), rev)
         if site.waiters:
             site.wake()
 
@@ -670,13 +665,19 @@ class Destinations:
             await self.close()
 
     async def close(self) -> None:
-        """Release every slot and probe this worker holds. Idempotent; never raises."""
+        """Release every slot and probe held, all at once (with NATS down each one waits out
+        its request timeout: one after another they held up a stop for minutes; what is not
+        released expires within ``slot_ttl_s``). Idempotent; never raises."""
+        releases = []
         for site in list(self._sites.values()):
-            for n, rev in list(site.slots.items()):
-                with contextlib.suppress(StoreUnavailable):
-                    await self.store.delete(slot_key(site.name, n), revision=rev)
+            releases += [self._release(slot_key(site.name, n), r) for n, r in site.slots.items()]
             site.slots.clear()
-            await self._drop_probe(site, True)
+            releases.append(self._drop_probe(site, True))
+        await asyncio.gather(*releases)
+
+    async def _release(self, key: str, revision: int) -> None:
+        with contextlib.suppress(StoreUnavailable):  # the key expires by its TTL
+            await self.store.delete(key, revision=revision)
 
     def snapshot(self) -> list[SiteSnapshot]:
         """What this worker holds and knows per site (for metrics)."""

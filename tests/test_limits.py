@@ -278,6 +278,41 @@ async def test_limit_holds_across_two_workers_sharing_the_store() -> None:
     assert (await b.admit("x.test")).go
 
 
+class _Unreachable(MemoryDestinations):
+    """A destinations bucket whose deletes wait for :attr:`down` and then fail, as a request
+    to an unreachable NATS waits out its timeout; :attr:`peak` counts those waiting at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = asyncio.Event()
+        self.waiting = self.peak = 0
+
+    async def delete(self, key: str, *, revision: int | None) -> bool:
+        if not self.down.is_set():
+            return await super().delete(key, revision=revision)
+        self.waiting += 1
+        self.peak = max(self.peak, self.waiting)
+        await asyncio.sleep(0.2)  # the request timeout
+        self.waiting -= 1
+        raise StoreUnavailable("no NATS")
+
+
+async def test_a_worker_stopping_with_nats_down_releases_its_slots_at_once() -> None:
+    """Stopping (Destinations.close) releases every slot at the same time: with NATS down
+    each release waits out its request timeout, and one after another they kept a
+    stopping worker for minutes (20 slots x the timeout and its retries); the slots not
+    released expire within slot_ttl_s."""
+    store, clock = _Unreachable(), _Clock()
+    a = _dest(store, clock, sessions=4)
+    assert all([(await a.admit("x.test")).go for _ in range(4)])
+    assert (await a.admit("y.test")).go
+    store.down.set()
+    await a.close()
+    assert store.peak == 5, "all five releases were under way at once"
+    assert not a._sites["x.test"].slots and not a._sites["y.test"].slots
+    await a.close()  # idempotent
+
+
 async def test_slot_of_a_dead_worker_expires_by_ttl() -> None:
     store, clock = MemoryDestinations(), _Clock()
     a = _dest(store, clock, sessions=1, slot_ttl_s=2)
