@@ -60,12 +60,15 @@ _STDERR = os.dup(2)  # before pytest captures fd 2
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> object:
-    """Shortly before the test timeout (pyproject: ``timeout``), dump the asyncio tasks of a
-    test still running."""
-    timeout = float(item.config.getini("timeout") or 0)
+    """Shortly before the test timeout (its ``timeout`` mark, else pyproject's), dump the
+    asyncio tasks of a test still running."""
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker and marker.args else item.config.getini("timeout")
+    timeout = float(limit or 0)  # 0: no timeout, nothing to dump before it
     timer = threading.Timer(max(1.0, timeout - 15), _dump_loop_tasks)
     timer.daemon = True
-    timer.start()
+    if timeout > 0:
+        timer.start()
     try:
         return (yield)
     finally:
