@@ -13,7 +13,7 @@ from collections.abc import Callable
 import aiosmtplib
 import pytest
 from aiosmtplib.protocol import SMTPProtocol
-from test_worker import _Events, gone, one_mx, tried_once
+from test_worker import _Events, dsn_parts, gone, one_mx, tried_once
 
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
@@ -22,7 +22,7 @@ from jsqueue.dsn.report import diagnostic_code
 from jsqueue.envelope import Recipient
 from jsqueue.events import EventKind
 from jsqueue.replies import Reply
-from support.mx import CLOSE, SILENT, ScriptedMx, Session, shared_port
+from support.mx import CLOSE, SILENT, ScriptedMx, Session, SmtpdMx, shared_port
 from support.queue import Harness, eventually
 
 
@@ -209,6 +209,88 @@ async def test_a_recipient_limit_per_connection_sends_the_rest_on_new_connection
     assert result.delivered == rcpts, result.replies
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:]]
     assert mx.connections == 3
+
+
+def too_many_errors(bad: set[str], after: int) -> Callable[[Session, str], str | None]:
+    """A hook: RCPTs for ``bad`` get ``550 5.1.1``; once ``after`` of them were refused, the
+    next RCPT gets ``421 4.7.0 Error: too many errors`` and the connection closes at the
+    next command (a server's hard error limit, as Postfix's ``smtpd_hard_error_limit``)."""
+    closing: set[int] = set()
+
+    def hook(session: Session, line: str) -> str | None:
+        if id(session) in closing:
+            return CLOSE
+        if not line.upper().startswith("RCPT"):
+            return None
+        earlier = [c for c in session.commands[:-1] if c.upper().startswith("RCPT")]
+        if sum(any(b in c for b in bad) for c in earlier) >= after:
+            closing.add(id(session))
+            return "421 4.7.0 Error: too many errors"
+        if any(b in line for b in bad):
+            return "550 5.1.1 <x>: Recipient address rejected: User unknown"
+        return None
+
+    return hook
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+async def test_refusals_before_a_421_stand_and_the_rest_go_to_the_next_mx(
+    pipelining: bool,
+) -> None:
+    """RFC 5321 §3.3, §3.8: each RCPT reply is the server's answer for its recipient. A
+    server that refuses two recipients (550) and then ends the session at its error limit
+    (421, as Postfix's smtpd_hard_error_limit) leaves those two refused; only the others
+    go to the next MX. All four used to go on with the 421, so the refused ones were never
+    bounced and, retried in the same order, those after the limit never delivered."""
+    one, two = "127.0.2.124", "127.0.2.125"
+    port = shared_port([one, two])
+    bad = [f"bad{i}@limit.example.test" for i in range(3)]
+    good = "good@limit.example.test"
+    hook = too_many_errors(set(bad), after=2)
+    async with ScriptedMx(one, port, hook=hook) as first, ScriptedMx(two, port) as second:
+        result = await deliver(
+            [
+                MxTarget(host="mx1.limit.example.test", address=one),
+                MxTarget(host="mx2.limit.example.test", address=two),
+            ],
+            envelope_of(*bad, good),
+            BODY,
+            client_settings(port, pipelining=pipelining),
+        )
+    for address in bad[:2]:
+        reply = result.replies[address]
+        assert (reply.code, reply.enhanced) == (550, "5.1.1"), reply
+        assert reply.remote_host == "mx1.limit.example.test"
+    assert first.delivered == []
+    assert [t.rcpt_to for t in second.delivered] == [[bad[2], good]]
+    assert result.delivered == [bad[2], good]
+
+
+async def test_a_server_error_limit_does_not_hold_back_the_valid_recipient(
+    queue_harness: Harness,
+) -> None:
+    """A worker, one MX with an error limit of 3: the first attempt has three 550s and then
+    the 421. The three bounce (one DSN, 5.1.1), and the next attempt offers only the valid
+    recipient, which is delivered. Before, all four were deferred on every attempt."""
+    h = queue_harness
+    h.configure(retry={"base_s": 1.0, "factor": 1.0, "jitter": 0.0})
+    domain = "errlimit.example.test"
+    h.dns.add(one_mx(domain, "127.0.2.126"))
+    bad = [f"bad{i}@{domain}" for i in range(3)]
+    good = f"good@{domain}"
+    hook = too_many_errors(set(bad), after=3)
+    async with (
+        ScriptedMx("127.0.2.126", h.mx_port, hook=hook) as mx,
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(b"Subject: limit\r\n\r\nbody\r\n", [*bad, good])
+        async with h.running():
+            await eventually(lambda: gone(h, qid), 20, what="bounced, delivered and removed")
+            await eventually(lambda: len(sender_mx.delivered) == 1, what="the DSN")
+    assert [t.rcpt_to for t in mx.delivered] == [[good]]
+    _, groups = dsn_parts(sender_mx.delivered[0].content or b"")
+    assert sorted(str(g["Final-Recipient"]) for g in groups) == [f"rfc822; {b}" for b in bad]
+    assert {str(g["Status"]) for g in groups} == {"5.1.1"}
 
 
 @pytest.mark.parametrize("pipelining", [True, False])

@@ -95,7 +95,8 @@ async def deliver(
         gets ``554 5.4.6`` "loops back to myself".
         When every target failed, every recipient gets the last target's failure (e.g.
         ``451 4.4.1``, worded for the smarthost when the target is one) and ``tried_host``
-        names that target.
+        names that target; except those a target refused (RCPT 4yz/5yz) before it failed
+        (``NextMx.settled``): they keep that reply and are not offered to the next target.
     """
     recipients = list({r.address: r for r in envelope.recipients}.values())
     if not recipients:
@@ -119,8 +120,9 @@ async def deliver(
     last: Reply | None = None  # every target that did not return set it
     earlier: list[TlsNote] = []  # TLS notes of the sessions that failed (RFC 8460 counts)
     loop: Reply | None = None
+    settled: dict[str, Reply] = {}  # refused by a target that failed afterwards
     for target in targets:
-        if loop is not None:
+        if loop is not None or not recipients:
             break
         allow_tls = True
         fresh = False  # after a desynchronised session: a new connection, not a cached one
@@ -162,6 +164,9 @@ async def deliver(
                 )
                 last = e.reply
                 earlier.extend([e.reply.tls] if e.reply.tls else [])
+                refusals = DeliveryResult(replies=e.settled, tls=session.tls)
+                settled.update(with_note(refusals, session).replies)
+                recipients = [r for r in recipients if r.address not in settled]
                 break
             if session.desynced_unsent:
                 # Out of sync before any body went out (greeting, EHLO, MAIL, RCPT, DATA):
@@ -179,7 +184,8 @@ async def deliver(
                     "address of the smarthost" if target.relay else "MX",
                 )
                 break
-            return with_note(await _rest(result, session, cache), session, earlier)
+            result = with_note(await _rest(result, session, cache), session, earlier)
+            return replace(result, replies={**settled, **result.replies})
     if loop is not None and last is None:
         # The best target is this queue itself: a permanent failure (RFC 3463 X.4.6),
         # bounced, never retried. With a better target tried and failed, the attempt is
@@ -189,7 +195,8 @@ async def deliver(
         R451_CONNECT_FAILED, "no mail exchanger answered"
     )
     tried = targets[-1].host
-    return DeliveryResult(replies={r.address: failed for r in recipients}, tried_host=tried)
+    replies = {**settled, **{r.address: failed for r in recipients}}
+    return DeliveryResult(replies=replies, tried_host=tried)
 
 
 async def _rest(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import aiosmtplib
@@ -41,7 +42,7 @@ from jsqueue.delivery.base import DeliveryResult
 from jsqueue.delivery.commands import Plan, command_line
 from jsqueue.delivery.connections import abort_connection
 from jsqueue.delivery.replyparser import MalformedReply, ReplyParser
-from jsqueue.delivery.responses import rcpt_reply, to_reply, with_detail
+from jsqueue.delivery.responses import rcpt_reply, refused, to_reply, with_detail
 from jsqueue.delivery.signals import Failed, NextMx
 from jsqueue.delivery.sync import Desync, GuardedProtocol, check_sync, impossible_reply
 from jsqueue.envelope import Recipient
@@ -49,6 +50,7 @@ from jsqueue.replies import (
     R451_PROTOCOL_ERROR,
     R501_BAD_FORWARD_PATH,
     R501_BAD_REVERSE_PATH,
+    Reply,
 )
 
 if TYPE_CHECKING:
@@ -230,13 +232,15 @@ async def pipelined_transaction(
     except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
         abort_connection(smtp)
         stage = f"{_stage(len(reader.responses), len(offered))} (pipelined)"
-        raise NextMx(session._translate(e, stage).reply) from e
+        reply = session._translate(e, stage).reply
+        raise NextMx(reply, _refused(session, offered, reader.responses, replies)) from e
     finally:
         reader.detach()
     log.debug("%s: pipelined group of %d commands answered", where, len(lines))
     if responses[-1].code == 421:  # the server is closing: no body went out
         abort_connection(smtp)
-        raise NextMx(to_reply(responses[-1], session.host))
+        settled = _refused(session, offered, responses[:-1], replies)
+        raise NextMx(to_reply(responses[-1], session.host), settled)
     if reader.shifted is not None:
         last = responses[-1]
         raise Desync(reader.shifted, f"{last.code} {last.message}".encode())
@@ -277,6 +281,23 @@ async def pipelined_transaction(
         replies[a] = start
     await _barrier(session, "RSET", min(s.mail_timeout_s, RSET_TIMEOUT_S), b"RSET")
     return session._result(replies)
+
+
+def _refused(
+    session: OutboundSession,
+    offered: list[str],
+    responses: Sequence[SMTPResponse],
+    replies: dict[str, Reply],
+) -> dict[str, Reply]:
+    """The recipients refused by the RCPT replies read before the group failed (after an
+    accepted MAIL; a ``421`` among them is the server closing, not a refusal), with the
+    local refusals in ``replies``: those stand (``NextMx.settled``)."""
+    got = dict(replies)
+    if responses and 200 <= responses[0].code < 300:
+        for address, response in zip(offered, responses[1:], strict=False):
+            if response.code != 421:
+                got[address] = rcpt_reply(to_reply(response, session.host), session.host)[0]
+    return refused(got)
 
 
 async def _barrier(session: OutboundSession, stage: str, timeout_s: float, *args: bytes) -> None:

@@ -9,6 +9,7 @@ the hop is one (:func:`hop_reply`); and the server's limit of recipients per tra
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from aiosmtplib import SMTPResponse
 
@@ -28,6 +29,7 @@ __all__ = [
     "hop_reply",
     "limit_reply",
     "rcpt_reply",
+    "refused",
     "to_reply",
     "too_many_recipients",
     "with_detail",
@@ -145,6 +147,14 @@ def rcpt_reply(reply: Reply, remote_host: str | None) -> tuple[Reply, bool]:
         update = {"code": 452, "enhanced": enhanced, "sent": was}
         return reply.model_copy(update=update), False
     return reply, False
+
+
+def refused(replies: Mapping[str, Reply]) -> dict[str, Reply]:
+    """Those of ``replies`` (per recipient, so far in one transaction) that refuse their
+    recipient: 4yz or 5yz, a recipient limit excepted (its recipients go in a further
+    transaction). They stand when the transaction then fails (``NextMx.settled``): RFC
+    5321 §3.3, each RCPT reply is the server's answer for its recipient. Pure."""
+    return {a: r for a, r in replies.items() if not r.is_success and not too_many_recipients(r)}
 
 
 def limit_reply(reply: Reply, remote_host: str | None) -> Reply:

@@ -33,6 +33,7 @@ from jsqueue.delivery.resolver import MxTarget
 from jsqueue.delivery.responses import (
     hop_reply,
     rcpt_reply,
+    refused,
     to_reply,
     too_many_recipients,
     with_detail,
@@ -375,6 +376,9 @@ class OutboundSession:
                 try:
                     result = await self._transactions(idle.extensions)
                 except NextMx as e:
+                    if e.settled:  # it answered for recipients: alive, and failing now
+                        await self._quit()
+                        raise
                     # Closed while idle (EOF, 421 ...): not this target's fault, and no
                     # recipient was accepted. Go on with a new connection.
                     log.debug("%s: cached session unusable (%s); reconnecting", self.where(), e)
@@ -452,7 +456,9 @@ class OutboundSession:
                 # The connection failed before this one accepted anyone (e.g. closed after
                 # the data): earlier transactions stand, these go in a new session.
                 log.info("%s: %s; recipients left for a new session", self.where(), e.reply)
-                self.carry, self.reusable = pending, False
+                replies.update(e.settled)
+                self.carry = [r for r in pending if r.address not in e.settled]
+                self.reusable = False
                 break
             replies.update(more.replies)
             got = more.replies
@@ -537,11 +543,11 @@ class OutboundSession:
                     replies[address] = with_detail(R501_BAD_FORWARD_PATH, str(e.__cause__))
                     continue
                 # Lost, timed out, malformed: no body went out, so no recipient has the
-                # message, accepted or not; the next MX gets them all, as when a pipelined
-                # group is answered short (RFC 2920 §3.1).
-                raise NextMx(e.reply) from e
+                # message; those refused so far stay refused, the next MX gets the rest,
+                # as when a pipelined group is answered short (RFC 2920 §3.1).
+                raise NextMx(e.reply, refused(replies)) from e
             if reply.code == 421:  # the server closes the channel (RFC 5321 §3.8)
-                raise NextMx(reply)
+                raise NextMx(reply, refused(replies))
             # RFC 5321 §4.5.3.1.10: 452 (or a 552, to be treated as temporary) is never
             # a bounce; the server's recipient limit sends the rest in a further transaction.
             reply, limit = rcpt_reply(reply, self.host)

@@ -31,11 +31,16 @@ class NextMx(Exception):
     Attributes:
         reply: the synthesised (or remote) reply that explains the failure; every recipient
             gets the last one when no target is left.
+        settled: recipients the target refused before it failed (their RCPT got a 4yz or
+            5yz reply, then a ``421`` or a lost connection ended the transaction): those
+            replies stand and only the others go to the next target (RFC 5321 §3.3: each
+            RCPT reply is the server's answer for that recipient).
     """
 
-    def __init__(self, reply: Reply) -> None:
+    def __init__(self, reply: Reply, settled: dict[str, Reply] | None = None) -> None:
         super().__init__(str(reply))
         self.reply = reply
+        self.settled = settled or {}
 
 
 class LoopsBack(NextMx):
