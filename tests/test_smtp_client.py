@@ -297,6 +297,61 @@ async def test_opportunistic_tls_always_delivers_in_the_same_attempt(
         assert result.tls_version == "TLSv1.2"
 
 
+@pytest.mark.parametrize("where", ["EHLO", "MAIL", "RCPT"])
+async def test_opportunistic_tls_that_breaks_after_the_handshake_delivers_in_plaintext(
+    where: str, certs: Certs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RFC 7435 §3 (opportunistic security: no worse than plaintext), as Postfix does: the
+    handshake succeeds but the server drops the TLS session at the EHLO after it, at MAIL
+    or at RCPT, before any recipient was accepted. The same address is tried once more
+    in plaintext, in the same attempt. Before, every attempt failed the same way until
+    the message expired."""
+    port = shared_port([TLS_HOST])
+    rcpt = "user@tlsfail.example.test"
+
+    def drop_in_tls(session: Session, line: str) -> str | None:
+        return CLOSE if session.tls and line.upper().startswith(where) else None
+
+    caplog.set_level(logging.WARNING, logger="jsqueue.delivery.client")
+    ctx = certs.server_context(TLS_NAME)
+    async with ScriptedMx(TLS_HOST, port, name=TLS_NAME, tls=ctx, hook=drop_in_tls) as mx:
+        result = await deliver(
+            target(TLS_NAME, TLS_HOST),
+            envelope(rcpt),
+            BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n"),
+            settings_for(port),
+        )
+    assert result.delivered == [rcpt], result.replies
+    assert mx.connections == 2
+    assert mx.sessions[0].tls and "STARTTLS" not in mx.sessions[1].verbs()
+    assert not mx.delivered[0].tls
+    assert any("plaintext" in r.getMessage() for r in caplog.records)
+
+
+async def test_required_tls_that_breaks_after_the_handshake_is_never_plaintext(
+    certs: Certs,
+) -> None:
+    """RFC 3207 §4: with TLS required for the domain, a TLS session dropped at MAIL is a
+    deferral; the address is not tried in plaintext."""
+    port = shared_port([TLS_HOST])
+    rcpt = "user@tlsfail.example.test"
+
+    def drop_in_tls(session: Session, line: str) -> str | None:
+        return CLOSE if session.tls and line.upper().startswith("MAIL") else None
+
+    ctx = certs.server_context(TLS_NAME)
+    settings = settings_for(port, tls=TlsPolicy.REQUIRED)
+    async with ScriptedMx(TLS_HOST, port, name=TLS_NAME, tls=ctx, hook=drop_in_tls) as mx:
+        result = await deliver(
+            target(TLS_NAME, TLS_HOST),
+            envelope(rcpt),
+            BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n"),
+            settings,
+        )
+    assert result.replies[rcpt].is_temporary and result.delivered == []
+    assert mx.connections == 1 and mx.delivered == []
+
+
 async def test_required_tls_never_falls_back_to_plaintext(certs: Certs) -> None:
     """CASE-20 variant E: TLS enforced for the domain (``tls_policies``); the handshake
     fails -> temporary 4.7.x, and the MX never sees MAIL outside TLS."""

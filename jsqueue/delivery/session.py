@@ -105,6 +105,8 @@ class OutboundSession:
         self.allow_tls = allow_tls
         self.smtp: aiosmtplib.SMTP | None = None
         self.tls = False
+        #: TLS came up under a policy that may go without it (opportunistic, MTA-STS testing)
+        self.tls_optional = False
         self.tls_version: str | None = None
         self.dsn = False
         self.converted = False
@@ -401,6 +403,13 @@ class OutboundSession:
             self._desynced(e, self.recipients, replies)
             await self._quit()
             return self._result(replies)
+        except NextMx as e:
+            await self._quit()
+            if self.tls_optional and not e.settled and _lost(e.reply):
+                # The TLS session broke (EOF, timeout) before anyone was accepted: as a
+                # failed handshake, once more in plaintext (RFC 7435 §3; Postfix too).
+                raise TlsFallback(f"the TLS session failed: {e.reply.text}") from e
+            raise
         except BaseException:
             await self._quit()
             raise
@@ -671,3 +680,9 @@ class OutboundSession:
             replies[a] = reply
         self.uncertain.update(accepted)
         return self._result(replies)
+
+
+def _lost(reply: Reply) -> bool:
+    """Whether ``reply`` is our own for a connection lost or timed out (``4.4.2``), not a
+    server's reply. Pure."""
+    return reply.remote_host is None and reply.enhanced == R451_CONNECTION_LOST.enhanced

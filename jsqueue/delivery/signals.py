@@ -78,9 +78,10 @@ def telling_names(names: Iterable[str]) -> set[str]:
 
 
 class TlsFallback(Exception):
-    """Opportunistic STARTTLS failed in the handshake: reconnect to the same address in
-    plaintext (RFC 7435). A signal to :func:`~jsqueue.delivery.client.deliver`, never raised
-    out of the package."""
+    """Opportunistic STARTTLS failed in the handshake, or the TLS session broke (EOF,
+    timeout) before any recipient was accepted: reconnect to the same address in plaintext
+    (RFC 7435). A signal to :func:`~jsqueue.delivery.client.deliver`, never raised out of
+    the package."""
 
 
 class Failed(Exception):

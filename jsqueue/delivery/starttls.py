@@ -62,7 +62,8 @@ async def starttls(s: OutboundSession, extensions: dict[str, str]) -> dict[str, 
             or the plan's certificate check fails (``4.7.5``); or the server refused it
             with 421 or dropped the connection; or the EHLO after it failed.
         TlsFallback: opportunistic STARTTLS failed in the handshake: retry the address
-            in plaintext.
+            in plaintext. (So does a TLS session that breaks later, before anyone was
+            accepted: :meth:`OutboundSession.run` raises it, from ``s.tls_optional``.)
     """
     plan = s.plan
     if plan is None or plan.label == MANUAL:
@@ -116,7 +117,7 @@ async def _planned(s: OutboundSession, plan: TlsPlan, extensions: dict[str, str]
             note = plan.note(tls=False, result="validation-failure", detail=why, mx=host)
             raise NextMx(_deferral(s, note)) from e
         raise TlsFallback(str(e) or type(e).__name__) from e
-    s.tls = True
+    s.tls, s.tls_optional = True, not plan.required
     ssl_object = s.smtp.get_transport_info("ssl_object")
     if isinstance(ssl_object, ssl.SSLObject):
         s.tls_version = ssl_object.version()
@@ -175,7 +176,7 @@ async def _manual(s: OutboundSession, extensions: dict[str, str]) -> dict[str, s
         if required:
             raise NextMx(with_detail(R451_TLS_REQUIRED, f"{s.where()}: {e}")) from e
         raise TlsFallback(str(e) or type(e).__name__) from e
-    s.tls = True
+    s.tls, s.tls_optional = True, not required
     ssl_object = s.smtp.get_transport_info("ssl_object")
     if isinstance(ssl_object, ssl.SSLObject):
         s.tls_version = ssl_object.version()
