@@ -69,6 +69,35 @@ async def test_no_reply_to_the_final_dot_is_an_uncertain_deferral(
     assert sample == 2
 
 
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("answer", ["354 go on", "199 what", "300 huh"])
+async def test_an_impossible_reply_to_the_final_dot_is_an_uncertain_deferral(
+    pipelining: bool, answer: str
+) -> None:
+    """RFC 5321 §4.2.1, §6.1: the final dot went out and the server answered with a code no
+    final reply has (1yz, 3yz). The next hop may have taken the message: the recipient is
+    deferred and marked uncertain, and the connection is not used again (it was deferred
+    unmarked, the connection kept)."""
+    host = "127.0.2.127"
+    port = shared_port([host])
+    rcpt = "u@dot.example.test"
+    async with ScriptedMx(host, port, end_of_data=answer) as mx:
+        cache = ConnectionCache(idle_s=5.0)
+        result = await deliver(
+            [MxTarget(host="mx.dot.example.test", address=host)],
+            envelope_of(rcpt),
+            BODY,
+            client_settings(port, pipelining=pipelining),
+            cache,
+        )
+        idle = cache.idle
+        await cache.close()
+    reply = result.replies[rcpt]
+    assert reply.is_temporary and reply.enhanced == "4.5.0", reply
+    assert result.uncertain == frozenset({rcpt})
+    assert len(mx.transactions) == 1 and idle == 0
+
+
 # --- recipient limits per transaction (RFC 5321 §4.5.3.1.10) ------------------------------
 
 

@@ -654,6 +654,9 @@ class OutboundSession:
         finally:
             await aclose(iterator)
         reply = to_reply(response, self.host)
+        if reply.remote_host is None:  # a code no final reply has (1yz, 3yz): unusable
+            abort_connection(self.smtp)
+            return self._uncertain(accepted, replies, reply)
         try:
             await check_sync(self.smtp, "the next command")
         except Desync as e:  # which of the lines answered the dot is unknown
