@@ -10,18 +10,21 @@ more ``Received:`` fields than a loop-free path has (§6.3), so it bounces after
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from test_worker import SENDER_ZONE, dsn_parts, gone, one_mx
 
 from jsqueue.config import SmtpSettings, WorkerSettings
 from jsqueue.delivery.base import BodySource, DeliveryEnvelope
 from jsqueue.delivery.client import deliver
-from jsqueue.delivery.resolver import MxTarget, without_myself
+from jsqueue.delivery.resolver import DnsResolver, MxTarget, without_myself
 from jsqueue.delivery.signals import ours
 from jsqueue.envelope import Recipient
 from jsqueue.frontend.data import DataDecoder
 from jsqueue.frontend.server import SmtpServer
 from support.cases import case_message
+from support.dns import DnsServer
 from support.mx import Certs, ScriptedMx, SmtpdMx, shared_port
 from support.queue import REPORTING_MTA, Harness, eventually
 
@@ -182,6 +185,50 @@ async def test_the_best_mx_at_my_own_address_bounces_without_a_connection() -> N
     assert (reply.code, reply.enhanced) == (554, "5.4.6") and reply.is_permanent
     assert "loops back to myself" in reply.text and "worker.own_addresses" in reply.text
     assert mirror.connections == 0 and second.connections == 0
+
+
+async def test_my_own_address_is_found_past_max_mx_addresses_among_equal_preferences() -> None:
+    """RFC 5321 §5.1: three MX hosts of the same preference, one of them this queue, and
+    ``max_mx_addresses`` 2. Whatever the shuffle of equal preferences, the resolver keeps
+    this queue past the cut, so the loop check sees it and discards its equal-preference
+    peers: 554 5.4.6, nothing connected to. Cut first, a shuffle that put this queue
+    third delivered to a peer the RFC says to discard."""
+    me, peers = "127.0.2.146", ["127.0.2.147", "127.0.2.148"]
+    port = shared_port([me, *peers])
+    zone = "".join(
+        f"eq.loop.example.test. 300 IN MX 10 mx{i}.eq.loop.example.test.\n"
+        f"mx{i}.eq.loop.example.test. 300 IN A {address}\n"
+        for i, address in enumerate([me, *peers])
+    )
+    with DnsServer(zone) as dns:
+        settings = WorkerSettings.model_validate(
+            {
+                "mx_port": port,
+                "own_addresses": [me],
+                "max_mx_addresses": 2,
+                "nameservers": dns.nameservers,
+                "nameserver_port": dns.port,
+            }
+        )
+        for seed in range(12):
+            resolver = DnsResolver.from_settings(settings)
+            resolver._rng = random.Random(seed)
+            targets = await resolver.resolve("eq.loop.example.test")
+            assert me in [t.address for t in targets], seed
+            assert len(targets) <= 3
+        async with ScriptedMx(peers[0], port) as one, ScriptedMx(peers[1], port) as two:
+            recipient = Recipient.from_address("u@eq.loop.example.test")
+            result = await deliver(
+                targets,
+                DeliveryEnvelope(
+                    domain=recipient.domain, reverse_path="a@src.test", recipients=(recipient,)
+                ),
+                BODY,
+                settings,
+            )
+    reply = result.replies["u@eq.loop.example.test"]
+    assert (reply.code, reply.enhanced) == (554, "5.4.6")
+    assert one.connections == two.connections == 0
 
 
 async def test_a_better_mx_than_my_own_address_is_still_tried() -> None:

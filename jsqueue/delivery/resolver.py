@@ -181,10 +181,13 @@ class DnsResolver:
             ``/etc/resolv.conf`` (never used by tests).
         port: UDP/TCP port of those servers.
         timeout_s: lifetime of one query, seconds.
-        max_addresses: at most this many targets are returned per resolve.
+        max_addresses: at most this many targets are returned per resolve, and one more:
+            a target at one of ``own_addresses`` of the last preference returned, so that
+            :func:`without_myself` finds this queue there (RFC 5321 §5.1).
         prefer_ipv6: list a host's IPv6 addresses before its IPv4 ones (default IPv4 first).
         rng: random source for shuffling equal preferences (tests pass a seeded one).
         cache: the answers kept (:func:`answer_cache`); None = none.
+        own_addresses: this queue's addresses (``worker.own_addresses``, normal form).
     """
 
     def __init__(
@@ -197,8 +200,10 @@ class DnsResolver:
         prefer_ipv6: bool = False,
         rng: random.Random | None = None,
         cache: AnswerCache | None = None,
+        own_addresses: Collection[str] = (),
     ) -> None:
         self._resolver = _stub(nameservers, port, timeout_s, cache)
+        self._own = own_addresses
         self._timeout_s = timeout_s
         self._max = max_addresses
         self._prefer_ipv6 = prefer_ipv6
@@ -207,13 +212,15 @@ class DnsResolver:
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> DnsResolver:
         """Build from ``worker.nameservers``, ``nameserver_port``, ``dns_timeout_s``,
-        ``max_mx_addresses``, ``dns_cache_size`` and ``dns_cache_max_ttl_s``."""
+        ``max_mx_addresses``, ``dns_cache_size``, ``dns_cache_max_ttl_s`` and
+        ``own_addresses``."""
         return cls(
             settings.nameservers,
             port=settings.nameserver_port,
             timeout_s=settings.dns_timeout_s,
             max_addresses=settings.max_mx_addresses,
             cache=answer_cache(settings),
+            own_addresses=settings.own_addresses,
         )
 
     async def resolve(self, domain: str) -> list[MxTarget]:
@@ -258,6 +265,8 @@ class DnsResolver:
         targets: list[MxTarget] = []
         last_error: TemporaryDeliveryError | None = None
         for pref, host in hosts:
+            if len(targets) >= self._max and (not self._own or pref != targets[-1].preference):
+                break  # (with own_addresses: this queue may be in the last preference)
             addresses, error = await self._exchange_addresses(host, name)
             if error is not None:
                 log.warning("MX host %s of %s: %s", host, name, error.reply.text)
@@ -265,10 +274,9 @@ class DnsResolver:
             for address in addresses:
                 if all(t.address != address for t in targets):
                     targets.append(MxTarget(host=host, address=address, preference=pref))
-            if len(targets) >= self._max:
-                break
-        if targets:
-            return targets[: self._max]
+        if targets:  # this queue is kept past the cut, for the loop check (RFC 5321 §5.1)
+            me = [t for t in targets[self._max :] if at_own_address(t, self._own)]
+            return targets[: self._max] + me[:1]
         if last_error is not None:
             raise last_error
         raise PermanentDeliveryError(
@@ -437,6 +445,15 @@ def unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ip
 
 
+def at_own_address(target: MxTarget, own_addresses: Collection[str]) -> bool:
+    """Whether ``target`` (not the smarthost) is at one of ``own_addresses`` (normal form).
+    Pure."""
+    try:
+        return not target.relay and str(unmapped(target.address)) in own_addresses
+    except ValueError:
+        return False
+
+
 def without_myself(
     targets: Sequence[MxTarget], own_addresses: Collection[str]
 ) -> tuple[list[MxTarget], MxTarget | None]:
@@ -454,10 +471,7 @@ def without_myself(
         return list(targets), None
 
     def mine(t: MxTarget) -> bool:
-        try:
-            return not t.relay and str(unmapped(t.address)) in own_addresses
-        except ValueError:
-            return False
+        return at_own_address(t, own_addresses)
 
     me = next((t for t in targets if mine(t)), None)
     if me is None:
