@@ -53,13 +53,18 @@ class SiteView:
 
     async def wait_turn(self, timeout_s: float) -> None:
         """Wait, counted in :attr:`waiters`, until :meth:`wake` picks this delivery or
-        ``timeout_s`` seconds pass (no error either way: the caller looks again)."""
+        ``timeout_s`` seconds pass (no error either way: the caller looks again).
+
+        Raises:
+            CancelledError: the delivery was cancelled (a drain), also in the turn it was
+                woken (``asyncio.wait``: ``wait_for`` loses that one on Python 3.11,
+                :mod:`jsqueue.tasks`).
+        """
         woken = asyncio.get_running_loop().create_future()
         self.waiters += 1
         self.wakers.append(woken)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken, timeout_s)
+            await asyncio.wait({woken}, timeout=timeout_s)
         finally:
             self.waiters -= 1
             if not woken.done() or woken.cancelled():

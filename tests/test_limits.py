@@ -23,6 +23,7 @@ from jsqueue.events import Event, EventKind
 from jsqueue.limits import SiteState, SiteStatus
 from jsqueue.names import key_token, site_key, site_of_key, slot_key, token_text
 from jsqueue.replies import R451_CONNECT_FAILED, Reply
+from jsqueue.site_view import SiteView
 from jsqueue.store.base import Keyed, Stores
 from jsqueue.store.memory import MemoryDestinations
 
@@ -311,6 +312,24 @@ async def test_a_worker_stopping_with_nats_down_releases_its_slots_at_once() -> 
     assert store.peak == 5, "all five releases were under way at once"
     assert not a._sites["x.test"].slots and not a._sites["y.test"].slots
     await a.close()  # idempotent
+
+
+async def test_a_delivery_cancelled_in_the_turn_it_is_woken_is_cancelled() -> None:
+    """A drain cancels a delivery waiting for a session unit in the same event-loop turn
+    as a freed unit wakes it: the cancellation is kept (``asyncio.wait_for`` lost it on
+    Python 3.11, and the drained delivery went on to open a session); the wait, woken or
+    timed out, leaves no trace."""
+    site = SiteView("x.test")
+    waiting = asyncio.create_task(site.wait_turn(30))
+    await asyncio.sleep(0)  # one turn: the task starts waiting
+    assert site.waiters == 1
+    site.wake()
+    waiting.cancel()
+    done, _ = await asyncio.wait({waiting}, timeout=5)
+    assert done and waiting.cancelled()
+    assert site.waiters == 0 and not site.wakers
+    await site.wait_turn(0.01)  # timed out: no error
+    assert site.waiters == 0 and not site.wakers
 
 
 async def test_slot_of_a_dead_worker_expires_by_ttl() -> None:

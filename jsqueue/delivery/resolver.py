@@ -446,8 +446,9 @@ def unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 
 
 def at_own_address(target: MxTarget, own_addresses: Collection[str]) -> bool:
-    """Whether ``target`` (not the smarthost) is at one of ``own_addresses`` (normal form).
-    Pure."""
+    """Whether ``target`` (not the smarthost) is at one of ``own_addresses`` (normal form,
+    as ``worker.own_addresses`` holds them): this queue found among the MXes (RFC 5321
+    §5.1). An address that is no IP address is never one. Pure."""
     try:
         return not target.relay and str(unmapped(target.address)) in own_addresses
     except ValueError:
