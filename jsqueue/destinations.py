@@ -34,7 +34,6 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from datetime import UTC, datetime
 
 from jsqueue import limits
@@ -42,10 +41,11 @@ from jsqueue.admission import Admission, site_down_reply
 from jsqueue.config import DestinationSettings, Rate
 from jsqueue.delivery.base import Attempt
 from jsqueue.errors import DeliveryError, StoreUnavailable
-from jsqueue.events import NULL_OBSERVER, Event, EventKind, Observer
-from jsqueue.limits import SiteSnapshot, SiteState, SiteStatus
-from jsqueue.names import probe_key, rate_key, site_key, slot_key
+from jsqueue.events import NULL_OBSERVER, Observer
+from jsqueue.limits import SiteSnapshot, SiteStatus
+from jsqueue.names import slot_key
 from jsqueue.replies import Reply
+from jsqueue.site_shared import SharedSite
 from jsqueue.site_view import SiteView
 from jsqueue.store.base import DestinationStore
 
@@ -61,13 +61,8 @@ HOLD_WEIGHT = 0.1
 SITE_NAME_TTL_S = 300.0
 #: Seconds a new session waits for room beyond ``slot_wait_s`` (a QUIT takes up to 5 s).
 CONNECT_WAIT_S = 5.0
-#: Compare-and-set tries on a site state or rate bucket before giving up for this time.
-CAS_TRIES = 5
 #: Put-back delay of an item whose site is being probed by another worker, seconds.
 PROBE_WAIT_S = 2.0
-#: A worker's demand for a site (:func:`jsqueue.limits.want`) stands this many times
-#: ``state_refresh_s``: long enough that every holder reads it at its next refresh.
-DEMAND_REFRESHES = 3
 
 
 class Destinations:
@@ -99,8 +94,8 @@ class Destinations:
         self.settings = settings
         self.owner = owner
         self.mx_hosts = mx_hosts
-        self.observer = observer
         self.clock = clock
+        self.shared = SharedSite(store, settings, owner=owner, observer=observer, clock=clock)
         self.rng = rng or random.Random()
         #: site -> (idle sessions kept by the connection cache, sessions being closed);
         #: set by the composition to the deliverer's count, so idle sessions keep slots.
@@ -174,7 +169,7 @@ class Destinations:
 
     async def _admit(self, site: SiteView) -> Admission:
         s = self.settings
-        state = await self._state(site)
+        state = await self.shared.state(site)
         now = self.clock()
         st = limits.status(state, now, s.dead_after)
         if st is SiteStatus.DOWN and state.down_until is not None:
@@ -184,13 +179,13 @@ class Destinations:
             return self._defer(site, "down", delay, site_down_reply(site.name, until))
         probe = False
         if st is SiteStatus.PROBE:
-            if not await self._take_probe(site):
+            if not await self.shared.take_probe(site):
                 return self._defer(site, "probing", self._jitter(min(PROBE_WAIT_S, s.cool_off_s)))
             probe = True
             # the copy may predate a probe that just failed elsewhere: read it again
-            state = await self._state(site, fresh=True)
+            state = await self.shared.state(site, fresh=True)
             if limits.status(state, self.clock(), s.dead_after) is SiteStatus.DOWN:
-                await self._drop_probe(site, probe)
+                await self.shared.drop_probe(site, probe)
                 return await self._admit(site)
         limit = s.sessions_of(site.name)
         allowed = limits.allowed_sessions(state, limit, now, s.throttle_grow_s)
@@ -198,8 +193,8 @@ class Destinations:
         if len(site.slots) > share:
             await self._trim(site, share)
         if not await self._unit(site, allowed, share):
-            await self._drop_probe(site, probe)
-            await self._want(site)
+            await self.shared.drop_probe(site, probe)
+            await self.shared.want(site)
             return self._defer(site, "full", self._full_delay(site))
         idle, _ = self.idle_sessions(site.name)
         checks: list[tuple[str, Rate | None]] = [("msg", s.message_rate_of(site.name))]
@@ -207,13 +202,13 @@ class Destinations:
             checks.insert(0, ("conn", s.connection_rate_of(site.name)))
         for kind, rate in checks:
             try:
-                wait = 0.0 if rate is None else await self._rate(site, kind, rate)
+                wait = 0.0 if rate is None else await self.shared.take_rate(site, kind, rate)
             except BaseException:  # the unit goes back (the caller may admit unlimited)
                 self._free(site)
                 raise
             if wait > 0:
                 self._free(site)
-                await self._drop_probe(site, probe)
+                await self.shared.drop_probe(site, probe)
                 return self._defer(site, "rate", wait + self.rng.uniform(0, max(1.0, wait)))
         return Admission(site.name, True, probe=probe, at=asyncio.get_running_loop().time())
 
@@ -284,7 +279,7 @@ class Destinations:
             if remaining <= 0 or site.waiters >= self._max_waiters(site, share):
                 return False
             if len(site.slots) < min(share, allowed):  # others hold what we may have
-                await self._want(site)
+                await self.shared.want(site)
                 remaining = min(remaining, max(0.01, site.full_until - loop.time()))
             await site.wait_turn(remaining)
 
@@ -380,108 +375,6 @@ class Destinations:
         site.active = max(0, site.active - 1)
         site.wake()
 
-    async def _want(self, site: SiteView) -> None:
-        """Make this worker's demand for ``site`` known (at most one write per
-        ``DEMAND_REFRESHES * state_refresh_s / 2``); best effort, never raises."""
-        ttl_s = DEMAND_REFRESHES * self.settings.state_refresh_s
-        now = self.clock()
-        with contextlib.suppress(StoreUnavailable):
-            await self._change(site, lambda st: limits.want(st, self.owner, now, ttl_s))
-
-    async def _rate(self, site: SiteView, kind: str, rate: Rate) -> float:
-        """Take one event from ``site``'s GCRA bucket ``kind``; 0 when taken, else seconds
-        to wait. A refusal by the TAT last seen costs no round trip: a TAT only grows."""
-        key = rate_key(site.name, kind)
-        tat, rev = site.tats.get(kind, (None, -1))
-        for _ in range(CAS_TRIES):
-            if rev < 0:
-                read = await self.store.get(key)
-                rev = read.revision
-                raw = (read.value or {}).get("tat")
-                tat = float(raw) if isinstance(raw, int | float) else None
-            now = self.clock()
-            step = limits.gcra(tat, now, rate.events, rate.interval_s, self.settings.rate_burst)
-            if not step.allowed:
-                site.tats[kind] = (tat, rev)
-                return step.wait_s
-            ttl = step.tat_s - now + rate.interval_s
-            new = await self.store.put(key, {"tat": step.tat_s}, revision=rev, ttl_s=ttl)
-            if new is not None:
-                site.tats[kind] = (step.tat_s, new)
-                return 0.0
-            rev = -1
-        return self.settings.full_delay_s
-
-    # ------------------------------------------------------------------ site state
-
-    def _state_ttl_s(self, site: str) -> float:
-        s = self.settings
-        return 2 * s.cool_off_s + s.throttle_hold_s + s.throttle_grow_s * s.sessions_of(site)
-
-    async def _state(self, site: SiteView, *, fresh: bool = False) -> SiteState:
-        loop = asyncio.get_running_loop()
-        if fresh or loop.time() - site.state_at >= self.settings.state_refresh_s:
-            read = await self.store.get(site_key(site.name))
-            site.state, site.state_rev = SiteState.from_json(read.value), read.revision
-            site.state_at = loop.time()
-        return site.state
-
-    async def _change(
-        self, site: SiteView, change: Callable[[SiteState], SiteState]
-    ) -> tuple[SiteState, SiteState]:
-        """Apply ``change`` to the shared state by compare-and-set; (before, after)."""
-        before = after = site.state
-        for i in range(CAS_TRIES):
-            before = await self._state(site, fresh=i > 0)
-            after = change(before)
-            if after == before:
-                return before, after
-            key = site_key(site.name)
-            if after.is_clear:
-                ok = await self.store.delete(key, revision=site.state_rev)
-                rev: int | None = site.state_rev if ok else None
-            else:
-                rev = await self.store.put(
-                    key,
-                    dict(after.to_json()),
-                    revision=site.state_rev,
-                    ttl_s=self._state_ttl_s(site.name),
-                )
-            if rev is not None:
-                site.state, site.state_rev = after, rev
-                site.state_at = asyncio.get_running_loop().time()
-                if after.is_clear:
-                    site.state_at = -1e9  # read the delete marker's revision next time
-                return before, after
-        return before, after
-
-    async def _take_probe(self, site: SiteView) -> bool:
-        value: dict[str, object] = {"owner": self.owner, "at": self.clock()}
-        rev = await self.store.put(
-            probe_key(site.name), value, revision=0, ttl_s=self.settings.probe_ttl_s
-        )
-        if rev is None:
-            current = await self.store.get(probe_key(site.name))
-            if current.value is None:
-                rev = await self.store.put(
-                    probe_key(site.name),
-                    value,
-                    revision=current.revision,
-                    ttl_s=self.settings.probe_ttl_s,
-                )
-        if rev is None:
-            return False
-        site.probe_rev = rev  # (a task that lost leaves the winner's revision alone)
-        return True
-
-    async def _drop_probe(self, site: SiteView, probe: bool) -> None:
-        if probe and site.probe_rev is not None:
-            rev, site.probe_rev = site.probe_rev, None
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.delete(probe_key(site.name), revision=rev)
-
-    # ------------------------------------------------------------------ feedback
-
     async def done(self, admission: Admission, attempt: Attempt | None) -> None:
         """The attempt admitted by ``admission`` ended (``attempt`` None: it did not run).
 
@@ -505,86 +398,14 @@ class Destinations:
             site.hold_s += HOLD_WEIGHT * (held - site.hold_s)
         try:
             if attempt is not None:
-                await self._feedback(site, attempt)
+                await self.shared.feedback(site, attempt)
         except StoreUnavailable as e:
             log.warning("site %s: could not record feedback: %s", site.name, e)
         finally:
-            await self._drop_probe(site, admission.probe)
+            await self.shared.drop_probe(site, admission.probe)
             _, share = self._limits(site)
             if len(site.slots) > share:  # others want the site: give the surplus up
                 await self._trim(site, share)
-
-    async def _feedback(self, site: SiteView, attempt: Attempt) -> None:
-        s = self.settings
-        replies = list(attempt.replies.values())
-        now = self.clock()
-        if any(limits.is_throttle(r) for r in replies):
-            limit = s.sessions_of(site.name)
-            current = limits.allowed_sessions(site.state, limit, now, s.throttle_grow_s)
-            _, after = await self._change(
-                site, lambda st: limits.after_throttle(st, now, current, s.throttle_hold_s)
-            )
-            log.warning(
-                "site %s: throttled by the receiver; %d session(s) for %.0f s",
-                site.name,
-                after.throttle_limit or 1,
-                s.throttle_hold_s,
-            )
-            return
-        reached = attempt.reached is not None
-        if limits.is_connection_failure(replies, reached, attempt.host is not None):
-            before, after = await self._change(
-                site, lambda st: limits.after_failure(st, now, s.dead_after, s.cool_off_s)
-            )
-            was = limits.status(before, now, s.dead_after)
-            if (
-                limits.status(after, now, s.dead_after) is SiteStatus.DOWN
-                and was is not SiteStatus.DOWN
-            ):
-                self._event(EventKind.SITE_DOWN, site.name, after, replies[0] if replies else None)
-            return
-        if reached and (
-            site.state.failures or site.state.down_until is not None or self._worn(site)
-        ):
-            before, after = await self._change(site, lambda st: self._cleared(site.name, st))
-            if limits.status(before, now, s.dead_after) is not SiteStatus.UP:
-                self._event(EventKind.SITE_UP, site.name, after, None)
-
-    def _worn(self, site: SiteView) -> bool:
-        s = self.settings
-        return limits.throttle_worn_off(
-            site.state, s.sessions_of(site.name), self.clock(), s.throttle_grow_s
-        )
-
-    def _cleared(self, site: str, state: SiteState) -> SiteState:
-        cleared = limits.after_success(state)
-        s = self.settings
-        if limits.throttle_worn_off(cleared, s.sessions_of(site), self.clock(), s.throttle_grow_s):
-            cleared = replace(cleared, throttle_limit=None, throttled_until=None)
-        return cleared
-
-    def _event(self, kind: EventKind, site: str, state: SiteState, reply: Reply | None) -> None:
-        until = (
-            datetime.fromtimestamp(state.down_until, UTC) if state.down_until is not None else None
-        )
-        detail = f"site {site} " + (
-            f"down until {until.isoformat()} after {state.failures} connection failure(s)"
-            if kind is EventKind.SITE_DOWN and until is not None
-            else "answers again"
-        )
-        (log.warning if kind is EventKind.SITE_DOWN else log.info)("%s", detail)
-        self.observer.emit(
-            Event(
-                kind=kind,
-                site=site,
-                reply=reply,
-                source=f"worker:{self.owner}",
-                next_attempt_at=until,
-                detail=detail,
-            )
-        )
-
-    # ------------------------------------------------------------------ upkeep
 
     async def _trim(self, site: SiteView, share: int | None = None) -> None:
         """Release slots no session of this worker needs (those at or over the allowed
@@ -639,7 +460,7 @@ class Destinations:
         for site in list(self._sites.values()):
             if len(site.slots) > 1:
                 try:
-                    await self._state(site)
+                    await self.shared.state(site)
                 except StoreUnavailable:
                     continue
             _, share = self._limits(site)
@@ -672,7 +493,7 @@ class Destinations:
         for site in list(self._sites.values()):
             releases += [self._release(slot_key(site.name, n), r) for n, r in site.slots.items()]
             site.slots.clear()
-            releases.append(self._drop_probe(site, True))
+            releases.append(self.shared.drop_probe(site, True))
         await asyncio.gather(*releases)
 
     async def _release(self, key: str, revision: int) -> None:
