@@ -23,7 +23,7 @@ from jsqueue.envelope import Entry, EntryState, RecipientState, WorkItem, routin
 from jsqueue.errors import EntryNotFound, InvalidName, JsqueueError, RevisionConflict, StoreError
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event, recipient_event
 from jsqueue.names import check_queue_id
-from jsqueue.state import bounced, flushed, held, released_from_hold, requeued
+from jsqueue.operator_state import bounced, flushed, held, released_from_hold, requeued
 from jsqueue.store import cas
 from jsqueue.store.base import Stores, Versioned
 from jsqueue.store.layout import open_entry_body
@@ -417,7 +417,7 @@ class Admin:
     ) -> ActionResult:
         """Deliver now, overriding the backoff (``postqueue -i``; ``-s`` with ``domain``).
 
-        Makes the open recipients due by compare-and-set (:func:`jsqueue.state.flushed`),
+        Makes the open recipients due by compare-and-set (:func:`jsqueue.operator_state.flushed`),
         then publishes one work item per open domain with the new generation; takes effect
         within about a second (DESIGN.md §4). Held entries are left alone (release them). A
         destination under a running lease is not touched (its attempt finishes; RFC 5321
@@ -458,7 +458,7 @@ class Admin:
 
     async def requeue(self, queue_id: str) -> ActionResult:
         """Requeue (``postsuper -r``): drop every lease, a new generation, every open
-        recipient due now, attempts kept (:func:`jsqueue.state.requeued`); then publish
+        recipient due now, attempts kept (:func:`jsqueue.operator_state.requeued`); then publish
         the new work items. A live worker's lease is broken too, and the detail warns: a
         transaction under way cannot be recalled, the message may be sent twice (RFC 5321
         §6.1). Held entries are left alone (release them). One ``requeued`` event.
@@ -510,7 +510,7 @@ class Admin:
     async def release(self, queue_id: str) -> ActionResult:
         """Release a held entry (``postsuper -H``) and deliver it now, like a flush.
 
-        Clears the hold flag by compare-and-set (:func:`jsqueue.state.released_from_hold`),
+        Clears the hold flag by compare-and-set (:func:`jsqueue.operator_state.released_from_hold`),
         then publishes work items with the new generation. Idempotent.
 
         Returns:
@@ -569,9 +569,10 @@ class Admin:
         """Bounce every open recipient with ``550 5.7.1`` and have the DSN sent.
 
         A 5yz with RFC 3463 ``5.7.1``, so the DSN reports a failure, not an expiry
-        (:func:`jsqueue.state.bounced`; recipients of a destination being delivered are left
-        alone). The entry is rescheduled at once; a worker sends the one DSN (RFC 3464) to
-        the reverse-path and removes the entry. One ``bounced`` event per recipient.
+        (:func:`jsqueue.operator_state.bounced`; recipients of a destination being
+        delivered are left alone). The entry is rescheduled at once; a worker sends the one
+        DSN (RFC 3464) to the reverse-path and removes the entry. One ``bounced`` event per
+        recipient.
         Idempotent.
 
         Returns:

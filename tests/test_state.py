@@ -9,26 +9,22 @@ from datetime import UTC, datetime, timedelta
 from jsqueue import replies
 from jsqueue.envelope import Entry, Lease, Recipient, RecipientState, WorkItem, utcnow
 from jsqueue.names import new_queue_id
+from jsqueue.operator_state import bounced, flushed, held, released_from_hold, requeued
 from jsqueue.replies import Reply
 from jsqueue.retry import RetryPolicy
 from jsqueue.state import (
     CREATE_GRACE_S,
     CREATE_RETRY_S,
     Verdict,
-    bounced,
     check,
     claim,
     expire_all,
-    flushed,
-    held,
     hold,
     holds,
     record,
     recorded_at,
     release,
-    released_from_hold,
     renewed,
-    requeued,
     settled,
     site_deferred,
     taken_over,

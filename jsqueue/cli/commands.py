@@ -42,7 +42,7 @@ from jsqueue.errors import BodyNotFound, ConfigError, EntryNotFound, InvalidName
 from jsqueue.events import EventKind, tail
 from jsqueue.logs import setup_logging
 from jsqueue.names import check_queue_id
-from jsqueue.state import BREAK_WARNING
+from jsqueue.operator_state import BREAK_WARNING
 from jsqueue.tasks import cancel_and_wait
 from jsqueue.views import Action, EntrySummary, Outcome
 
