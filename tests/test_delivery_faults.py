@@ -240,6 +240,38 @@ async def test_a_recipient_limit_per_connection_sends_the_rest_on_new_connection
     assert mx.connections == 3
 
 
+@pytest.mark.parametrize("pipelining", [True, False])
+async def test_refusals_of_a_follow_up_session_that_then_fails_stand(pipelining: bool) -> None:
+    """RFC 5321 §3.3, §4.5.3.1.10: two recipients per connection; the new connection for
+    the rest refuses one (550) and then ends the session at its error limit (421). The
+    refusal stands (a bounce), the one after the 421 is deferred. The follow-up session's
+    refusals used to be dropped: the recipient kept the limit's 452 and was retried."""
+    host = "127.0.2.129"
+    port = shared_port([host])
+    rcpts = [f"u{i}@limit.example.test" for i in range(4)]
+    refusal = "550 5.1.1 <u2>: Recipient address rejected: User unknown"
+
+    def hook(session: Session, line: str) -> str | None:
+        if not line.upper().startswith("RCPT"):
+            return None
+        if session is mx.sessions[0]:  # the first connection: two recipients
+            limit = sum(session.rcpt_counts()) > 2
+            return "452 4.5.3 Too many recipients for this connection" if limit else None
+        return refusal if rcpts[2] in line else "421 4.7.0 Error: too many errors"
+
+    async with ScriptedMx(host, port, hook=hook) as mx:
+        result = await deliver(
+            [MxTarget(host="mx.limit.example.test", address=host)],
+            envelope_of(*rcpts),
+            BODY,
+            client_settings(port, pipelining=pipelining),
+        )
+    assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2]]
+    assert result.delivered == rcpts[0:2]
+    assert (result.replies[rcpts[2]].code, result.replies[rcpts[2]].enhanced) == (550, "5.1.1")
+    assert result.deferred == rcpts[3:]
+
+
 def too_many_errors(bad: set[str], after: int) -> Callable[[Session, str], str | None]:
     """A hook: RCPTs for ``bad`` get ``550 5.1.1``; once ``after`` of them were refused, the
     next RCPT gets ``421 4.7.0 Error: too many errors`` and the connection closes at the
@@ -293,6 +325,42 @@ async def test_refusals_before_a_421_stand_and_the_rest_go_to_the_next_mx(
     assert first.delivered == []
     assert [t.rcpt_to for t in second.delivered] == [[bad[2], good]]
     assert result.delivered == [bad[2], good]
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("data_reply", ["421 4.7.0 Error: too many errors", CLOSE])
+async def test_refusals_before_a_421_to_data_stand(pipelining: bool, data_reply: str) -> None:
+    """RFC 5321 §3.3: a RCPT reply is the server's answer for its recipient, also when the
+    DATA after it gets 421 or the connection is lost (no body went out). The refused one
+    keeps its 550 and is not offered to the next MX; the accepted one goes there. Without
+    PIPELINING the refusal used to be replaced by the 421 (or a 451), so the recipient was
+    retried until it expired and then reported with a reply that was never its own."""
+    one, two = "127.0.2.127", "127.0.2.128"
+    port = shared_port([one, two])
+    bad, good = "bad@data421.example.test", "good@data421.example.test"
+    refusal = "550 5.1.1 <bad>: Recipient address rejected: User unknown"
+    async with (
+        ScriptedMx(one, port, rcpt_replies={bad: refusal}, data=data_reply) as first,
+        ScriptedMx(two, port) as second,
+    ):
+        result = await deliver(
+            [
+                MxTarget(host="mx1.data421.example.test", address=one),
+                MxTarget(host="mx2.data421.example.test", address=two),
+            ],
+            envelope_of(bad, good),
+            BODY,
+            client_settings(port, pipelining=pipelining),
+        )
+    reply = result.replies[bad]
+    assert (reply.code, reply.enhanced, reply.remote_host) == (
+        550,
+        "5.1.1",
+        "mx1.data421.example.test",
+    ), reply
+    assert first.delivered == []
+    assert [t.rcpt_to for t in second.delivered] == [[good]]
+    assert result.delivered == [good]
 
 
 async def test_a_server_error_limit_does_not_hold_back_the_valid_recipient(

@@ -206,7 +206,8 @@ async def _rest(
     ended go at once in a new session to the same target, while each session accepts
     someone (each leaves fewer); so do those of a transaction whose replies got out of sync
     (a fresh connection, once). A follow-up session that fails before accepting anyone
-    leaves them with their temporary reply (the limit's, or ``4.5.0``)."""
+    leaves them with their temporary reply (the limit's, or ``4.5.0``), but those it
+    refused before it failed keep that refusal (``NextMx.settled``, RFC 5321 §3.3)."""
     while session.carry:
         pending = session.carry
         log.info(
@@ -228,6 +229,8 @@ async def _rest(
             more = await session.run(cache)
         except (NextMx, TlsFallback) as e:
             log.info("%s: follow-up session failed: %s", session.where(), e)
+            if isinstance(e, NextMx) and e.settled:
+                result = replace(result, replies={**result.replies, **e.settled})
             break
         result = replace(
             result,

@@ -588,9 +588,9 @@ class OutboundSession:
                 "DATA", s.data_init_timeout_s, b"DATA", intermediate_ok=True
             )
         except Failed as e:  # lost, timed out, malformed: no body went out (as 421 below)
-            raise NextMx(e.reply) from e
-        if start.code == 421:  # no body went out: the next MX, as in the pipelined group
-            raise NextMx(start)
+            raise NextMx(e.reply, refused(replies)) from e
+        if start.code == 421:  # no body went out: the next MX, as in the pipelined group;
+            raise NextMx(start, refused(replies))  # the refusals stand (RFC 5321 §3.3)
         if start.code != 354:
             if not (start.is_temporary or start.is_permanent):
                 start = with_detail(R451_PROTOCOL_ERROR, f"{self.where()}: {start.code} to DATA")
