@@ -780,6 +780,19 @@ def test_expiry_after_tls_policy_failure_reports_5_7_x() -> None:
         (Reply(code=550, enhanced="4.1.1", text="class mismatch"), Action.FAILED, "5.0.0"),
         (Reply(code=554, enhanced="5.x.1", text="malformed"), Action.FAILED, "5.0.0"),
         (Reply(code=421, text="busy"), Action.FAILED, "4.4.7"),
+        (Reply(code=451, enhanced="4.7.5", text="TLS required"), Action.FAILED, "5.7.5"),
+        (Reply(code=451, enhanced="4.7.8", text="relay auth failed"), Action.FAILED, "5.7.8"),
+        # a server's 4.7.x (greylisting, rate limits) is no refusal (RFC 3463 §3.5, §3.8)
+        (
+            Reply(code=451, enhanced="4.7.1", text="greylisted", remote_host="mx"),
+            Action.FAILED,
+            "4.4.7",
+        ),
+        (
+            Reply(code=421, enhanced="4.7.0", text="slow down", remote_host="mx"),
+            Action.FAILED,
+            "4.4.7",
+        ),
         (None, Action.FAILED, "4.4.7"),
         (Reply(code=421, text="busy"), Action.DELAYED, "4.0.0"),
         (None, Action.DELAYED, "4.0.0"),
@@ -788,7 +801,8 @@ def test_expiry_after_tls_policy_failure_reports_5_7_x() -> None:
 )
 def test_status_code_synthesis(reply: Reply | None, action: Action, expected: str) -> None:
     """RFC 3464 §2.3.4, RFC 3463 §2: the enhanced code when it agrees with the basic code's
-    class, else synthesised from the class; expired failures are 4.4.7."""
+    class, else synthesised from the class; expired failures are 4.4.7, or 5.7.x after
+    this queue's own policy deferral (4.7.x, no remote host)."""
     r = recipient("x@ex.example.test", RecipientState.BOUNCED, reply)
     assert status_code(r, action) == expected
 

@@ -162,6 +162,7 @@ async def test_enforce_with_non_matching_mx_defers_and_sends_nothing(
         result = await attempt(engine, ws)
     reply = result.replies[RCPT]
     assert reply.is_temporary and reply.enhanced == "4.7.5", reply
+    assert reply.remote_host is None  # this queue's deferral: an expiry reports 5.7.5
     assert reply.tls is not None and reply.tls.policy == "mta-sts enforce"
     assert reply.tls.policy_id == "20260301T000000"
     assert mx.connections == 0
@@ -245,6 +246,7 @@ async def test_enforce_rejects_an_untrusted_certificate(
         result = await attempt(engine, ws)
     reply = result.replies[RCPT]
     assert reply.enhanced == "4.7.5" and "MAIL" not in verbs(mx)
+    assert reply.remote_host is None  # this queue's deferral: an expiry reports 5.7.5
     assert reply.tls is not None and reply.tls.result == "certificate-not-trusted"
     async with ScriptedMx(MX_HOST, port, name=MX_NAME, tls=certs.server_context(MX_NAME)) as mx:
         result = await attempt(engine, ws)

@@ -345,16 +345,22 @@ def _is_expired(recipient: Recipient, action: Action) -> bool:
 def status_code(recipient: Recipient, action: Action) -> str:
     """The RFC 3464 §2.3.4 Status for a reported recipient (RFC 3463 code).
 
-    Expired (failed with a temporary or no last reply): ``4.4.7``, except after a security
-    or policy failure (last reply ``4.7.x``, e.g. ``4.7.5`` when a TLS policy could not be
-    met): ``5.7.x``, so the DSN names the TLS failure (RFC 3463 §3.8). Otherwise the last reply's
-    enhanced code when well-formed and of the same class as the basic code, else the class
-    synthesised from the basic code (``5.0.0``, ``4.0.0``, ``2.0.0``), else from the action.
+    Expired (failed with a temporary or no last reply): ``4.4.7`` (RFC 3463 §3.5, delivery
+    time expired), except after this queue's own security or policy deferral (last reply
+    ``4.7.x`` with no ``remote_host``, e.g. ``4.7.5`` when a TLS policy could not be met,
+    ``4.7.8`` when the relay's authentication failed): ``5.7.x``, so the DSN names that
+    failure (RFC 3463 §3.8). A server's own ``4.7.x`` (greylisting ``451 4.7.1``, rate
+    limits ``421 4.7.0``) is no permanent refusal: ``4.4.7``, with the reply in the
+    Diagnostic-Code. Otherwise the last reply's enhanced code when well-formed and of the
+    same class as the basic code, else the class synthesised from the basic code
+    (``5.0.0``, ``4.0.0``, ``2.0.0``), else from the action.
     """
     if _is_expired(recipient, action):
         last = recipient.last_reply
-        enhanced = last.enhanced if last is not None else None
-        if enhanced and enhanced.startswith("4.7.") and _ENHANCED_RE.match(enhanced):
+        if last is None or last.remote_host is not None:
+            return "4.4.7"
+        enhanced = last.enhanced or ""
+        if enhanced.startswith("4.7.") and _ENHANCED_RE.match(enhanced):
             return "5" + enhanced[1:]
         return "4.4.7"
     reply = recipient.last_reply
