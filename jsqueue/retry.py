@@ -195,6 +195,17 @@ class RetryPolicy:
         """
         return _utc(created_at, "created_at") + timedelta(seconds=self.max_age_s)
 
+    def expiring_from(self, created_at: datetime) -> datetime:
+        """The first instant at which a temporary failure expires its recipient by the
+        lifetime instead of being retried (:meth:`after_failure`): the deadline less
+        ``min_delay_s``. From then on a message's expiry DSN waits for the final tries
+        still owed to its other recipients (:func:`jsqueue.state.settled`).
+
+        Raises:
+            ValueError: ``created_at`` is naive.
+        """
+        return self.deadline(created_at) - timedelta(seconds=self.min_delay_s)
+
     def after_failure(
         self, *, attempt: int, created_at: datetime, now: datetime, rng: random.Random
     ) -> Decision:

@@ -248,8 +248,8 @@ def release(entry: Entry, domain: str) -> Entry:
     """Give the lease on ``domain`` back without an outcome (drain): recipients become due.
 
     A lease, not the hold flag: an operator's release of a held entry is
-    :func:`released_from_hold`. Idempotent: without a lease on ``domain`` only active
-    recipients change.
+    :func:`jsqueue.operator_state.released_from_hold`. Idempotent: without a lease on
+    ``domain`` only active recipients change.
 
     Returns:
         a new entry with the lease removed and active recipients deferred to now.
@@ -454,16 +454,22 @@ def _owed_a_try(r: Recipient, deadline: datetime) -> bool:
     return bool(r.attempts) and r.next_attempt_at is not None and r.next_attempt_at <= deadline
 
 
-def settled(entry: Entry, now: datetime | None = None, deadline: datetime | None = None) -> bool:
-    """True when no recipient is pending or active, nor (from ``deadline``, the end of the
-    lifetime, on) deferred and owed a final try: every destination has had its say.
+def settled(entry: Entry, now: datetime | None = None, policy: RetryPolicy | None = None) -> bool:
+    """True when no recipient is pending or active, nor (with ``now`` and ``policy``, from
+    :meth:`RetryPolicy.expiring_from` on: a failure then expires its recipient) deferred and
+    owed its final try, due by the end of the lifetime: every destination has had its say.
 
     DSNs are sent only for a settled entry, so that one DSN lists every recipient the event
     concerns across all destination domains (RFC 3464 §2: one report per message and event),
-    also those of several domains whose lifetime ran out together."""
-    late = deadline if deadline is not None and now is not None and now >= deadline else None
+    also those of several domains whose lifetime ran out together, one of them expired a
+    moment before the deadline (less than ``min_delay_s`` was left for a retry)."""
+    deadline = None
+    if policy is not None and now is not None and now >= policy.expiring_from(entry.created_at):
+        deadline = policy.deadline(entry.created_at)
     return not any(
         r.state in (RecipientState.PENDING, RecipientState.ACTIVE)
-        or (late is not None and r.state is RecipientState.DEFERRED and _owed_a_try(r, late))
+        or (
+            deadline is not None and r.state is RecipientState.DEFERRED and _owed_a_try(r, deadline)
+        )
         for r in entry.recipients
     )

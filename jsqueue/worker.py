@@ -676,8 +676,7 @@ class Worker:
             if fresh is None:
                 return
             v = fresh
-            deadline = self._policy(v.entry).deadline(v.entry.created_at)
-            if not state.settled(v.entry, self.clock(), deadline):
+            if not state.settled(v.entry, self.clock(), self._policy(v.entry)):
                 return
             marked = await self.notifier.notify(v.entry, self.clock())
             try:

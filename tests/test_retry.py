@@ -330,3 +330,21 @@ def test_delay_until_never_zero() -> None:
     assert delay_until_s(due, due) == 1.0
     assert delay_until_s(due, due + timedelta(hours=1)) == 1.0
     assert delay_until_s(due, due, min_delay_s=0.25) == 0.25
+
+
+@given(st.floats(min_value=0.001, max_value=30.0))
+def test_expiring_from_is_where_a_failure_stops_being_retried(margin_s: float) -> None:
+    """:meth:`RetryPolicy.expiring_from` (which :func:`jsqueue.state.settled` waits from for
+    one expiry DSN, RFC 3464 §2) agrees with :meth:`RetryPolicy.after_failure`: a failure
+    from that instant on expires its recipient, one before it is retried."""
+    policy = RetryPolicy(base_s=60, factor=2, max_delay_s=3600, max_age_s=600, jitter=0)
+    start = policy.expiring_from(T0)
+    assert start == policy.deadline(T0) - timedelta(seconds=policy.min_delay_s)
+    rng = random.Random(0)
+    after = policy.after_failure(
+        attempt=3, created_at=T0, now=start + timedelta(seconds=margin_s), rng=rng
+    )
+    before = policy.after_failure(
+        attempt=3, created_at=T0, now=start - timedelta(seconds=margin_s), rng=rng
+    )
+    assert isinstance(after, Expire) and isinstance(before, Retry)

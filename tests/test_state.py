@@ -287,10 +287,31 @@ def test_a_lifetime_that_runs_out_ends_every_destination_for_one_dsn() -> None:
     assert new.recipients[1].last_reply == replies.R451_EXPIRED
     new.leases.pop("four.example.test")
     new.recipients[3].state = RecipientState.BOUNCED
-    assert settled(new) and settled(new, deadline - timedelta(seconds=1), deadline)
-    assert not settled(new, late, deadline), "three's final try is still owed"
+    early = deadline - timedelta(seconds=POLICY.min_delay_s + 1)
+    assert settled(new) and settled(new, early, POLICY)
+    assert not settled(new, late, POLICY), "three's final try is still owed"
     new.recipients[2].state = RecipientState.BOUNCED
-    assert settled(new, late, deadline)
+    assert settled(new, late, POLICY)
+
+
+def test_a_final_try_failed_just_before_the_deadline_waits_for_the_others() -> None:
+    """RFC 3464 §2, jsqueue.retry: a try failing less than ``min_delay_s`` before the
+    deadline expires its recipient at once; the other domain's final try, due at the
+    deadline, is still owed, so the entry is not settled and the expiry DSN waits to list
+    both. It used to go out at once for the first domain alone, a second DSN after it."""
+    one, two = "a@one.example.test", "b@two.example.test"
+    e = make_entry(one, two)
+    deadline = POLICY.deadline(e.created_at)
+    for r in e.recipients:
+        r.state, r.attempts, r.next_attempt_at = RecipientState.DEFERRED, 9, deadline
+    now = deadline - timedelta(seconds=POLICY.min_delay_s / 2)
+    assert now >= POLICY.expiring_from(e.created_at)
+    fail = Reply(code=451, enhanced="4.3.0", text="later", remote_host="mx.one.example.test")
+    new, done = record(e, "one.example.test", {one: fail}, now, POLICY, random.Random(0))
+    assert done.expired and [r.state.value for r in new.recipients] == ["bounced", "deferred"]
+    assert not settled(new, now, POLICY), "two's final try is still owed"
+    new.recipients[1].state = RecipientState.BOUNCED
+    assert settled(new, now, POLICY)
 
 
 def test_settled_waits_for_every_destination() -> None:
