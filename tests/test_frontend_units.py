@@ -128,6 +128,43 @@ def test_bare_line_ends_hidden_by_equal_counts(data: bytes, lines: list[bytes], 
     assert content.split(b"\r\n")[:-1] == lines
 
 
+def test_bare_cr_lines_split_after_a_cr_are_short_lines() -> None:
+    """RFC 5321 §2.3.8, §4.5.3.1.6: under the accept policy, 61 bare-CR lines of 21 octets
+    are short lines, also when a read ends right after one of their CRs. Only that last
+    CR waits for a possible LF; the earlier ones are complete line breaks. They used to be
+    carried as one 1 300-octet line: 500 5.5.2 "line too long", or the same message taken
+    in one read. Reject policy: 550 5.6.11 either way."""
+    body = b"Subject: mac\r" + b"line of old mac text\r" * 60
+    wire = body + b"last\r\n.\r\n"
+    for split in (None, len(body)):
+        content, rest, code = decode(wire, split=split, policy=BareLinePolicy.ACCEPT)
+        assert code is None and rest == b""
+        assert content == b"Subject: mac\r\n" + b"line of old mac text\r\n" * 60 + b"last\r\n"
+        assert decode(wire, split=split)[2] == 550
+
+
+TEXT = st.binary(min_size=8, max_size=40).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+BREAKS = st.sampled_from([(b"\r",), (b"\r", b"\r", b"\r", b"\n"), (b"\r\n", b"\r", b"\n")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), breaks=BREAKS, split=st.integers(1, 2048))
+def test_a_read_boundary_never_changes_the_outcome(
+    data: st.DataObject, breaks: tuple[bytes, ...], split: int
+) -> None:
+    """Whatever the line breaks (CRLF, bare CR, bare LF; runs of bare-CR lines longer than
+    a line are the hard case) and wherever reads split the stream (every CR among the
+    boundaries tried), the content, the rest after the terminator and the reply are those
+    of the same bytes in one read, under both policies."""
+    lines = data.draw(st.lists(st.tuples(TEXT, st.sampled_from(breaks)), min_size=60, max_size=90))
+    wire = b"".join(text + end for text, end in lines) + b"\r\n.\r\nNOOP\r\n"
+    cuts = {split, *(i + 1 for i, octet in enumerate(wire) if octet == 13)}
+    for policy in BareLinePolicy:
+        whole = decode(wire, policy=policy)
+        for cut in sorted(cuts):
+            assert decode(wire, split=cut, policy=policy) == whole, cut
+
+
 def test_case03_variant_b_policies() -> None:
     """CASE-03 variant B: reject → 550; accept → the author's lines, unstuffed per LF line."""
     data = case_file("CASE-03", "variant-b-bare-lf.bin")

@@ -207,10 +207,9 @@ def received_count(message: bytes) -> int:
 def _last_break(buf: bytes) -> int:
     """Index just after the last complete line break in ``buf`` (0 if none).
 
-    A trailing CR is not complete: its LF may be in the next read.
+    A trailing CR is not complete: its LF may be in the next read. A CR before it is (it
+    is followed by something other than LF: a bare CR, RFC 5321 §2.3.8), so a run of
+    bare-CR lines is never carried as one long line.
     """
-    cut = buf.rfind(b"\n") + 1
-    cr = buf.rfind(b"\r")
-    if cr >= cut and cr < len(buf) - 1:
-        cut = cr + 1
-    return cut
+    end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
+    return max(buf.rfind(b"\n", 0, end), buf.rfind(b"\r", 0, end)) + 1
