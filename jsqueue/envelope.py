@@ -299,17 +299,28 @@ def routing_domain(address: str) -> str:
     return check_domain(ascii_domain)
 
 
+def address_literal(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address of an RFC 5321 §4.1.3 address literal: ``[`` an IPv4 address (dotted
+    decimal, no leading zeros) or ``IPv6:`` (any case) and an IPv6 address ``]``; None for
+    anything else, general literals included. An IPv6 zone ID (``%eth0``), which Python's
+    parser accepts, is no part of the grammar: None. Pure."""
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    inner = text[1:-1]
+    try:
+        if inner[:5].lower() == "ipv6:":
+            return None if "%" in inner else ipaddress.IPv6Address(inner[5:])
+        return ipaddress.IPv4Address(inner)
+    except ValueError:
+        return None
+
+
 def _literal(literal: str) -> str:
     """An IPv6 address literal in one spelling (RFC 5321 §4.1.3: ``IPv6:`` in any case,
     the address in any RFC 4291 form): ``[IPv6:`` and the RFC 5952 form, so that one host
     is one destination; anything else as it is."""
-    inner = literal[1:-1]
-    if inner[:5].lower() != "ipv6:":
-        return literal
-    try:
-        return f"[IPv6:{ipaddress.IPv6Address(inner[5:]).compressed}]"
-    except ValueError:
-        return literal
+    ip = address_literal(literal)
+    return f"[IPv6:{ip.compressed}]" if isinstance(ip, ipaddress.IPv6Address) else literal
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,8 @@ def test_reverse_paths_accepted(arg: str, address: str, domain: str) -> None:
         ("FROM:<a..b@example.test>", 501),
         ("FROM:<a@[300.1.1.1]>", 553),
         ("FROM:<a@[foo:bar]>", 553),
+        ("FROM:<a@[IPv6:::1%eth0]>", 553),  # a zone ID is no part of RFC 5321 §4.1.3
+        ("FROM:<a@[127.000.0.1]>", 553),
         ("TO:<alice@example.test>", 501),
         ("FROM:<\udcff@example.test>", 501),
         ("FROM:<" + "a" * 250 + "@example.test>", 553),
@@ -399,6 +401,35 @@ def test_received_header_shape() -> None:
     assert many.startswith(b"Received: from [IPv6:::1] ([IPv6:::1])\r\n\t(helo=bad helo ?x?)\r\n")
     assert b"for <" not in many
     assert all(len(line) <= 78 for line in many.split(b"\r\n"))
+
+
+@pytest.mark.parametrize(
+    "helo",
+    [
+        "[IPv6:::1%] (trusted.test [10.0.0.1]) (x]",
+        "[IPv6:::1%x(]",
+        "[IPv6:::1%x;by.forged.test]",
+        "[127.0.0.1] (forged)",
+    ],
+)
+def test_a_helo_that_only_looks_like_an_address_literal_is_a_comment(helo: str) -> None:
+    """RFC 5321 §4.1.3, §4.4: an IPv6 literal with a zone ID (which Python's parser takes)
+    is no address literal, so the client's text goes into the sanitised ``(helo=...)``
+    comment, never raw into the ``from`` clause, where it forged a TCP-info comment or left
+    one open to swallow the rest of the field."""
+    field = received_header(
+        helo=helo,
+        client_ip="127.0.0.1",
+        hostname="mx.jsqueue.test",
+        protocol="ESMTP",
+        queue_id="01abcdefghjkmnpqrstvwxyz01",
+        recipient=None,
+        tls=None,
+        when=datetime(2026, 3, 2, 9, 0, tzinfo=UTC),
+    )
+    first, second = field.split(b"\r\n")[:2]
+    assert first == b"Received: from [127.0.0.1] ([127.0.0.1])"
+    assert second.startswith(b"\t(helo=") and second.count(b"(") == 1 and second.endswith(b")")
 
 
 def test_ingest_key_covers_envelope_and_content() -> None:

@@ -9,13 +9,12 @@ argument that is neither a domain nor an address literal goes into a comment.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import re
 from datetime import datetime
 from email.utils import format_datetime
 from typing import Any
 
-from jsqueue.envelope import routing_domain
+from jsqueue.envelope import address_literal, routing_domain
 from jsqueue.errors import InvalidName
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -55,17 +54,8 @@ def _ip_literal(ip: str) -> str:
 def _is_helo_name(helo: str) -> bool:
     if _HELO_DOMAIN_RE.match(helo) and len(helo) <= 253:
         return True
-    if helo.startswith("[") and helo.endswith("]"):
-        inner = helo[1:-1]
-        try:
-            if inner[:5].lower() == "ipv6:":
-                ipaddress.IPv6Address(inner[5:])
-            else:
-                ipaddress.IPv4Address(inner)
-        except ValueError:
-            return False
-        return True
-    return False
+    # an address literal (RFC 5321 §4.1.3), else the text goes in the (helo=...) comment
+    return address_literal(helo) is not None
 
 
 def protocol_keyword(*, extended: bool, smtputf8: bool, tls: bool, authenticated: bool) -> str:

@@ -6,11 +6,10 @@ checks; the grammar followed: docs/architecture.md, "Command syntax".
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass, field
 
-from jsqueue.envelope import Notify, routing_domain
+from jsqueue.envelope import Notify, address_literal, routing_domain
 from jsqueue.errors import InvalidName
 from jsqueue.replies import (
     R501_BAD_FORWARD_PATH,
@@ -114,14 +113,8 @@ def _check_literal(literal: str) -> None:
     Raises:
         ValueError: neither an IPv4 address nor ``IPv6:`` and an IPv6 address.
     """
-    inner = literal[1:-1]
-    try:
-        if inner[:5].lower() == "ipv6:":
-            ipaddress.IPv6Address(inner[5:])
-        else:
-            ipaddress.IPv4Address(inner)
-    except ValueError as e:
-        raise ValueError(f"bad address literal {literal}") from e
+    if address_literal(literal) is None:
+        raise ValueError(f"bad address literal {literal}")
 
 
 def parse_mailbox(text: str) -> Path:
