@@ -175,6 +175,7 @@ R421_DATA_TOO_SOON = _r(
     421, "4.5.0", "Message sent before the DATA reply, closing connection (RFC 2920 3.1)"
 )
 R421_TOO_MUCH_JUNK = _r(421, "4.7.0", "Too many commands without mail, closing connection")
+R421_TOO_MANY_ERRORS = _r(421, "4.7.0", "Too many errors, closing connection")
 R500_DATA_LINE_TOO_LONG = _r(500, "5.5.2", "Message has a line longer than 998 octets")
 R554_TOO_MANY_HOPS = _r(554, "5.4.6", "Too many Received: header fields: mail loop")
 R550_NO_POSTMASTER = _r(550, "5.1.1", "No postmaster mailbox here (smtp.postmaster is not set)")

@@ -217,6 +217,34 @@ async def test_commands_that_move_no_mail_are_limited_between_messages(mem: Stor
         assert await w.closed() == b""
 
 
+async def test_errors_end_a_session_but_not_those_of_a_recipient_limit(mem: Stores) -> None:
+    """``smtp.hard_error_limit`` (3 here) error replies since the last accepted message end
+    the session with ``421 4.7.0`` (Postfix's smtpd_hard_error_limit: a client sending
+    bad commands or harvesting addresses); a recipient limit's ``452 4.5.3`` is no error
+    (RFC 5321 §4.5.3.1.10: the client goes on in a further transaction), and a message
+    accepted starts the count again. Errors used to be answered without end."""
+    settings = frontend_settings(hard_error_limit=3, max_recipients=1)
+    async with running(settings, mem) as server:
+        w = await Wire.connect(server.port)
+        await w.expect("EHLO client.example.test", 250)
+        for _ in range(2):
+            await w.expect("MAIL FROM:bad", 501)
+        await w.expect("MAIL FROM:<a@example.test>", 250)
+        await w.expect("RCPT TO:<b@dest.example.test>", 250)
+        for _ in range(4):
+            r = await w.cmd("RCPT TO:<c@dest.example.test>")
+            assert (r.code, r.enhanced) == (452, "4.5.3"), r
+        await w.expect("DATA", 354)
+        await w.expect(b"x\r\n.", 250)
+        for _ in range(2):  # counted from the 250: two errors
+            await w.expect("MAIL FROM:bad", 501)
+        await w.send(b"RCPT TO:<b@dest.example.test>\r\nNOOP\r\n")  # the third
+        assert (await w.reply()).code == 503
+        r = await w.reply()
+        assert (r.code, r.enhanced) == (421, "4.7.0"), r
+        assert await w.closed() == b""  # the NOOP was not run
+
+
 async def test_helo_session_uses_plain_smtp(mem: Stores) -> None:
     """RFC 5321 §4.1.1.1: after HELO no extension parameters; Received: says ``with SMTP``."""
     async with running(frontend_settings(), mem) as server:

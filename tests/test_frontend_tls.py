@@ -260,6 +260,34 @@ async def test_auth_outcomes(
             await w.expect("NOOP", 250)
 
 
+async def test_password_guessing_is_slowed_then_ended(
+    mem: Stores, certs: FrontendCerts, auth_file: Path
+) -> None:
+    """As Postfix's smtpd_soft_error_limit / smtpd_hard_error_limit: 24 wrong passwords
+    pipelined, then the right one. Past ``soft_error_limit`` (2 here) each 535 waits
+    ``error_delay_s``; at ``hard_error_limit`` (4) the session gets ``421 4.7.0`` and is
+    closed, the rest unread: never a 235. Every guess used to get its 535 at once, and the
+    right one its 235 in the same session."""
+    settings = frontend_settings(
+        auth_file=auth_file,
+        soft_error_limit=2,
+        hard_error_limit=4,
+        error_delay_s=0.2,
+        **certs.settings(),
+    )
+    async with running(settings, mem) as server:
+        w = await tls_wire(server.port, certs)
+        await w.expect("EHLO client.example.test", 250)
+        guesses = [f"AUTH PLAIN {plain('alice', f'guess{i}')}" for i in range(24)]
+        started = asyncio.get_running_loop().time()
+        await w.send("".join(f"{g}\r\n" for g in guesses).encode())
+        await w.send(f"AUTH PLAIN {plain('alice', PASSWORD)}\r\n".encode())
+        codes = [(await w.reply()).code for _ in range(5)]
+        assert codes == [535, 535, 535, 535, 421], codes
+        assert asyncio.get_running_loop().time() - started >= 2 * 0.2  # the 3rd and 4th waited
+        assert await w.closed() == b""
+
+
 async def test_auth_disabled_without_auth_file(mem: Stores, certs: FrontendCerts) -> None:
     """No auth_file: AUTH is not offered, even inside TLS, and answers 502."""
     async with running(frontend_settings(**certs.settings()), mem) as server:

@@ -295,6 +295,21 @@ class SmtpSettings(_Section):
         description="commands that move no mail (NOOP, RSET, VRFY, EXPN, HELP, EHLO, HELO) a "
         "session may send between two messages; the next ends it with 421 4.7.0; 0: no limit",
     )
+    soft_error_limit: int = Field(
+        10,
+        ge=0,
+        description="errors (4xx/5xx replies) a session may make before each further error "
+        "reply waits error_delay_s (counted from its last accepted message); 0: never waits",
+    )
+    hard_error_limit: int = Field(
+        20,
+        ge=0,
+        description="errors a session may make; then it is ended with 421 4.7.0 (AUTH "
+        "guessing, address harvesting); 0: no limit",
+    )
+    error_delay_s: float = Field(
+        1.0, ge=0, description="wait before each error reply past soft_error_limit, seconds"
+    )
     session_timeout_s: float = Field(300.0, gt=0, description="idle command timeout, seconds")
     relay_networks: list[IPv4Network | IPv6Network] = Field(
         default_factory=_loopback_networks,

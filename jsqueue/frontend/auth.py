@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jsqueue.errors import ConfigError
+from jsqueue.replies import R501_BAD_PLAIN_CREDENTIALS, R535_AUTH_FAILED, Reply
 
 #: Default cost: N = 2**15, r = 8, p = 1 (32 MiB, the OWASP-recommended scrypt minimum).
 DEFAULT_LN = 15
@@ -93,6 +94,27 @@ class ScryptHash:
 
     def __str__(self) -> str:
         return f"$scrypt$ln={self.ln},r={self.r},p={self.p}${_b64(self.salt)}${_b64(self.key)}"
+
+
+def plain_credentials(message: bytes) -> tuple[str, bytes] | Reply:
+    """The (user, password) of a SASL PLAIN message, ``authzid NUL authcid NUL passwd``
+    (RFC 4616 §2), or the reply that refuses it: ``501 5.5.2`` when it does not split in
+    three, ``535 5.7.8`` for a user name that is no UTF-8 or an authorization identity
+    other than the user (acting as another user is not supported). Pure."""
+    parts = message.split(b"\0")
+    if len(parts) != 3:
+        return R501_BAD_PLAIN_CREDENTIALS
+    authz, authc, password = parts
+    return login_credentials(authc, password) if not authz or authz == authc else R535_AUTH_FAILED
+
+
+def login_credentials(user: bytes, password: bytes) -> tuple[str, bytes] | Reply:
+    """(user, password) from the two answers of the LOGIN mechanism (or PLAIN's authcid
+    and password), or ``535 5.7.8`` when the user name is no UTF-8. Pure."""
+    try:
+        return user.decode("utf-8"), password
+    except UnicodeDecodeError:
+        return R535_AUTH_FAILED
 
 
 def hash_password(password: str | bytes, *, ln: int = DEFAULT_LN, r: int = 8, p: int = 1) -> str:

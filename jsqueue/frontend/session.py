@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from aiosmtpd.smtp import SMTP, syntax
 
 from jsqueue.envelope import Recipient, utcnow
+from jsqueue.frontend.auth import login_credentials, plain_credentials
 from jsqueue.frontend.data import DataDecoder
 from jsqueue.frontend.ingest import NotQueued, Submission
 from jsqueue.frontend.received import (
@@ -45,6 +46,7 @@ from jsqueue.frontend.syntax import (
 )
 from jsqueue.frontend.transaction import (
     CommandReader,
+    ErrorCount,
     ExceptionHook,
     Transaction,
     client_ip,
@@ -68,11 +70,11 @@ from jsqueue.replies import (
     R421_LOCAL_ERROR,
     R421_SHUTTING_DOWN,
     R421_TIMEOUT,
+    R421_TOO_MANY_ERRORS,
     R421_TOO_MANY_SESSIONS,
     R452_TOO_MANY_RECIPIENTS,
     R501_BAD_BASE64,
     R501_BAD_PARAMETER,
-    R501_BAD_PLAIN_CREDENTIALS,
     R502_NOT_IMPLEMENTED,
     R503_ALREADY_AUTHENTICATED,
     R503_BAD_SEQUENCE,
@@ -151,6 +153,7 @@ class InboundSession(SMTP):
         self._pipelined = 0  # commands already received when the 250 went out
         self._mine: deque[str] = deque(maxlen=MINE)  # queued in this session: no resends
         self._forgetting: asyncio.Task[None] | None = None
+        self._errors = ErrorCount(s.soft_error_limit, s.hard_error_limit, s.error_delay_s)
 
     # -- connection bookkeeping ---------------------------------------------------------
 
@@ -234,7 +237,9 @@ class InboundSession(SMTP):
                 they are.
 
         Raises:
-            ConnectionError: the client has gone (raised by the transport's drain).
+            ConnectionError: the client has gone (raised by the transport's drain), or the
+                reply was its ``smtp.hard_error_limit``-th error (:class:`ErrorCount`: then
+                ``421 4.7.0`` went out and the connection is closed).
         """
         self._confirm()
         if self._forgetting is not None and is_closing(status):
@@ -242,13 +247,17 @@ class InboundSession(SMTP):
             # next finds the earlier copy's protection ended.
             await asyncio.wait({self._forgetting})
         self._log_rejection(status)
+        if pause_s := self._errors.add(status):  # past smtp.soft_error_limit
+            await asyncio.sleep(pause_s)
         if isinstance(status, bytes):
             await super().push(status)
-            return
-        # RFC 2034 §4: the greeting (and the STARTTLS 220) carry no enhanced code.
-        if not status.startswith("220"):
-            status = with_enhanced_code(as_closing(status))
-        await super().push(printable(status))
+        else:  # RFC 2034 §4: the greeting (and the STARTTLS 220) carry no enhanced code.
+            status = status if status.startswith("220") else with_enhanced_code(as_closing(status))
+            await super().push(printable(status))
+        if self._errors.exceeded:  # smtp.hard_error_limit: as Postfix's, 421 and close
+            self._close_with(R421_TOO_MANY_ERRORS)
+            self._reader._buffer.clear()  # type: ignore[attr-defined]  # pipelined: not run
+            raise ConnectionResetError("too many errors")
 
     def _log_rejection(self, status: str | bytes) -> None:
         """Every 4yz/5yz reply a session sends (RFC 5321 §4.2.1: a refusal of a command,
@@ -432,35 +441,20 @@ class InboundSession(SMTP):
 
     async def _auth_plain(self, initial: str | None) -> tuple[str, bytes] | None:
         blob = await self._response(initial, "")
-        if blob is None:
-            return None
-        parts = blob.split(b"\0")
-        if len(parts) != 3:
-            await self._reply(R501_BAD_PLAIN_CREDENTIALS)
-            return None
-        authz, authc, password = parts
-        try:
-            user = authc.decode("utf-8")
-        except UnicodeDecodeError:
-            await self._reply(R535_AUTH_FAILED)
-            return None
-        if authz and authz != authc:  # acting as another user is not supported
-            await self._reply(R535_AUTH_FAILED)
-            return None
-        return user, password
+        return None if blob is None else await self._credentials(plain_credentials(blob))
 
     async def _auth_login(self, initial: str | None) -> tuple[str, bytes] | None:
         raw_user = await self._response(initial, "Username:")
-        if raw_user is None:
+        password = None if raw_user is None else await self._response(None, "Password:")
+        if raw_user is None or password is None:
             return None
-        password = await self._response(None, "Password:")
-        if password is None:
+        return await self._credentials(login_credentials(raw_user, password))
+
+    async def _credentials(self, got: tuple[str, bytes] | Reply) -> tuple[str, bytes] | None:
+        if isinstance(got, Reply):
+            await self._reply(got)
             return None
-        try:
-            return raw_user.decode("utf-8"), password
-        except UnicodeDecodeError:
-            await self._reply(R535_AUTH_FAILED)
-            return None
+        return got
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
@@ -695,4 +689,5 @@ class InboundSession(SMTP):
         key = self._server.ingest.key_for(mail)
         self._queued = (key, queued) if key is not None else None
         self._mine.append(queued)
+        self._errors.count = 0  # the limits count errors made without delivering mail
         return reply_line(R250_QUEUED, f"{R250_QUEUED.text} {queued}")

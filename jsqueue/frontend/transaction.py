@@ -68,6 +68,44 @@ class ExceptionHook:
         return str(R451_LOCAL_ERROR)
 
 
+class ErrorCount:
+    """The errors a client made since its last accepted message, as Postfix counts them
+    for ``smtpd_soft_error_limit`` / ``smtpd_hard_error_limit``: every 4yz/5yz reply sent
+    (a refused command, AUTH failure, relay denied, bad syntax ...), except those that are
+    no fault of the client (this queue's own trouble, enhanced code ``4.3.x``; a 421,
+    which ends the session anyway) and a recipient limit's ``452 4.5.3`` (RFC 5321
+    §4.5.3.1.10 asks the client to go on in a further transaction). Pure.
+
+    Args:
+        soft: errors answered at once; each further error reply waits ``pause_s`` first
+            (a client guessing passwords or addresses slows down); 0: never waits.
+        hard: errors a session may make; the next reply after that many ends it with
+            ``421 4.7.0`` (:attr:`exceeded`); 0: no limit.
+        pause_s: seconds each error reply past ``soft`` waits.
+    """
+
+    def __init__(self, soft: int, hard: int, pause_s: float) -> None:
+        self.soft, self.hard, self.pause_s = soft, hard, pause_s
+        self.count = 0
+
+    def add(self, status: str | bytes) -> float:
+        """Count ``status`` (one reply) when it is an error; seconds to wait before it is
+        sent (0.0 when none)."""
+        text = status if isinstance(status, str) else status.decode("ascii", "replace")
+        code, enhanced = text[:3], text[4:10].rstrip()
+        if code[:1] not in ("4", "5") or code == "421" or enhanced.startswith("4.3."):
+            return 0.0
+        if code == "452" and enhanced == "4.5.3":
+            return 0.0
+        self.count += 1
+        return self.pause_s if self.soft and self.count > self.soft else 0.0
+
+    @property
+    def exceeded(self) -> bool:
+        """The session made ``hard`` errors: it is ended with ``421 4.7.0``."""
+        return bool(self.hard) and self.count >= self.hard
+
+
 #: Commands that move no mail, limited by ``smtp.max_junk_commands`` (:meth:`CommandReader.adopt`).
 JUNK = frozenset({"NOOP", "RSET", "VRFY", "EXPN", "HELP", "EHLO", "HELO"})
 
