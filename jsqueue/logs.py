@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from datetime import UTC, datetime
@@ -32,6 +33,29 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=_jsonable)
 
 
+#: Control characters (C0 but tab, DEL, C1) written as ``\\xNN`` in text lines.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if c != 0x09}
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger: message``, one line per record: control characters of the
+    message (CR, LF, ESC ...) are written as ``\\xNN``, so text a client sent and a
+    library logs (aiosmtpd's "unrecognised" command line) can neither forge a line nor
+    drive the terminal that shows the log. A traceback keeps its lines."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The line of ``record``, its message's control characters escaped (on a copy:
+        other handlers see the record as it was)."""
+        message = record.message.translate(_CONTROLS)
+        if message != record.message:
+            record = copy.copy(record)
+            record.message = message
+        return super().formatMessage(record)
+
+
 def _jsonable(value: object) -> object:
     """A field ``json`` cannot write: a pydantic model as its fields (``model_dump``: a
     :class:`~jsqueue.replies.TlsNote` as the entry keeps it), anything else as ``str``."""
@@ -44,7 +68,7 @@ def setup_logging(settings: LogSettings) -> None:
     if settings.json_format:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     # No line of ours names a thread or process: leave those look-ups out of every record
     # (the logging HOWTO's "Optimization"; one line per recipient and attempt).
     logging.logThreads = False

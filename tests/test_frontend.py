@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
+import logging
 import os
 import shutil
 import smtplib
@@ -19,6 +21,7 @@ import pytest
 
 from jsqueue.config import BareLinePolicy
 from jsqueue.envelope import Notify
+from jsqueue.logs import TextFormatter
 from jsqueue.store.base import Stores
 from jsqueue.store.memory import MemoryEntryStore, open_memory
 from support.cases import CASES, case_file
@@ -243,6 +246,28 @@ async def test_errors_end_a_session_but_not_those_of_a_recipient_limit(mem: Stor
         r = await w.reply()
         assert (r.code, r.enhanced) == (421, "4.7.0"), r
         assert await w.closed() == b""  # the NOOP was not run
+
+
+async def test_a_command_line_cannot_forge_a_log_line(mem: Stores) -> None:
+    """An unknown command of a client, which aiosmtpd logs as it came, reaches the text log
+    as one line, its control characters (ESC, CR) written as ``\\xNN``: it can neither
+    clear the terminal's line and print a forged one nor start a line of its own."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(TextFormatter())
+    library = logging.getLogger("mail.log")
+    library.addHandler(handler)
+    try:
+        async with running(frontend_settings(), mem) as server:
+            w = await Wire.connect(server.port)
+            forged = b"FOO\x1b[2K\rFAKE 2026-12-07 INFO jsqueue: all good"
+            assert (await w.cmd(forged)).code == 500
+            await w.expect("QUIT", 221)
+    finally:
+        library.removeHandler(handler)
+    logged = out.getvalue()
+    assert "\\x1b[2K\\x0dFAKE" in logged, logged
+    assert "\x1b" not in logged and "\r" not in logged
 
 
 async def test_helo_session_uses_plain_smtp(mem: Stores) -> None:
