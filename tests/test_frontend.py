@@ -488,6 +488,29 @@ async def test_session_cap_refuses_with_421(mem: Stores) -> None:
         assert server.active_sessions == 2
 
 
+async def test_sessions_per_client_are_limited_outside_relay_networks(mem: Stores) -> None:
+    """As Postfix's smtpd_client_connection_count_limit (exempting $mynetworks): a client
+    outside ``relay_networks`` gets ``max_sessions_per_client`` (2 here) sessions at once,
+    the next ``421 4.7.0`` at the greeting; another client, and one inside
+    ``relay_networks``, are not held back; a session that ends frees its place. One
+    client could take every one of ``max_sessions`` before."""
+    settings = frontend_settings(max_sessions_per_client=2, relay_networks=["127.0.0.1/32"])
+    async with running(settings, mem) as server:
+        a, b = [await Wire.connect(server.port, source="127.0.0.2") for _ in range(2)]
+        c = await Wire.connect(server.port, source="127.0.0.2", greet=False)
+        refused = await c.reply()
+        assert (refused.code, refused.enhanced) == (421, "4.7.0")
+        assert await c.closed() == b""
+        other = await Wire.connect(server.port, source="127.0.0.3")
+        trusted = [await Wire.connect(server.port) for _ in range(3)]  # 127.0.0.1
+        await a.expect("QUIT", 221)
+        assert await a.closed() == b""
+        again = await Wire.connect(server.port, source="127.0.0.2")
+        for w in [again, b, other, *trusted]:
+            await w.expect("NOOP", 250)
+        assert server.active_sessions == 6
+
+
 async def test_idle_session_times_out_with_421(mem: Stores) -> None:
     """RFC 5321 §4.5.3.2.7: an idle client is disconnected after the session timeout, with
     421 4.4.2 first."""

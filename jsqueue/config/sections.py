@@ -289,6 +289,13 @@ class SmtpSettings(_Section):
         "refused with 554 5.4.6 (RFC 5321 §6.3 recommends allowing at least 100)",
     )
     max_sessions: int = Field(200, ge=1, description="concurrent SMTP sessions")
+    max_sessions_per_client: int = Field(
+        50,
+        ge=0,
+        description="concurrent SMTP sessions of one client address outside relay_networks "
+        "(more get 421 4.7.0 at the greeting, as Postfix's "
+        "smtpd_client_connection_count_limit); 0: no limit",
+    )
     max_junk_commands: int = Field(
         100,
         ge=0,

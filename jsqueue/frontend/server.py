@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
@@ -22,6 +23,7 @@ from jsqueue.events import NULL_OBSERVER, Observer
 from jsqueue.frontend.auth import UserDB
 from jsqueue.frontend.ingest import Ingest
 from jsqueue.frontend.session import InboundSession
+from jsqueue.frontend.transaction import IPAddress
 from jsqueue.store.base import Stores
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ class SmtpServer:
         self.on_reject = on_reject
         self.draining = False
         self._server: asyncio.Server | None = None
-        self._sessions: set[InboundSession] = set()
+        self._sessions: dict[InboundSession, IPAddress | None] = {}  # -> the client's address
+        self._per_client: Counter[IPAddress] = Counter()
         self._all_closed = asyncio.Event()
         self._all_closed.set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -122,18 +125,33 @@ class SmtpServer:
         """
         return self.address[1]
 
-    def admit(self, session: InboundSession) -> bool:
-        """Count ``session`` in, unless draining or ``max_sessions`` are open (then the
-        session answers ``421 4.7.0`` and closes). Called by the session on connect."""
-        if self.draining or len(self._sessions) >= self.settings.max_sessions:
+    def admit(self, session: InboundSession, ip: IPAddress | None) -> bool:
+        """Count ``session`` of the client at ``ip`` in, unless draining, ``max_sessions``
+        are open, or ``max_sessions_per_client`` of that client (outside
+        ``relay_networks``, as Postfix's smtpd_client_connection_count_limit, 50, exempts
+        $mynetworks) are: then the session answers ``421 4.7.0`` and closes. Called by
+        the session on connect."""
+        s = self.settings
+        if self.draining or len(self._sessions) >= s.max_sessions:
             return False
-        self._sessions.add(session)
+        if ip is not None and not any(ip in net for net in s.relay_networks):
+            if s.max_sessions_per_client and self._per_client[ip] >= s.max_sessions_per_client:
+                log.info("client %s: %d sessions open; one more refused", ip, self._per_client[ip])
+                return False
+            self._per_client[ip] += 1
+        self._sessions[session] = ip
         self._all_closed.clear()
         return True
 
     def release(self, session: InboundSession) -> None:
         """Count ``session`` out (its connection ended). Idempotent."""
-        self._sessions.discard(session)
+        if session not in self._sessions:
+            return
+        ip = self._sessions.pop(session)
+        if ip is not None and ip in self._per_client:
+            self._per_client[ip] -= 1
+            if self._per_client[ip] <= 0:
+                del self._per_client[ip]
         if not self._sessions:
             self._all_closed.set()
 

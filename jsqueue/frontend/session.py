@@ -162,7 +162,7 @@ class InboundSession(SMTP):
         super().connection_made(transport)
         if first:
             self._ip = client_ip(transport.get_extra_info("peername"))
-            self._refused = not self._server.admit(self)
+            self._refused = not self._server.admit(self, self._ip)
 
     def connection_lost(self, error: Exception | None) -> None:
         if not self._released:
@@ -237,9 +237,9 @@ class InboundSession(SMTP):
                 they are.
 
         Raises:
-            ConnectionError: the client has gone (raised by the transport's drain), or the
-                reply was its ``smtp.hard_error_limit``-th error (:class:`ErrorCount`: then
-                ``421 4.7.0`` went out and the connection is closed).
+            ConnectionError: the client has gone (raised by the transport's drain).
+            ConnectionResetError: the reply was the session's ``smtp.hard_error_limit``-th
+                error (:class:`ErrorCount`): ``421 4.7.0`` went out, the connection is closed.
         """
         self._confirm()
         if self._forgetting is not None and is_closing(status):

@@ -217,7 +217,11 @@ class CommandReader(asyncio.StreamReader):
             left -= len(data)
 
 
-def client_ip(peer: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+#: A client's address.
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def client_ip(peer: Any) -> IPAddress | None:
     """The client's address from a transport's peer name (an IPv4-mapped IPv6 address as
     the IPv4 address, a scope id dropped); None when it has none (a socket pair)."""
     try:
