@@ -372,9 +372,17 @@ def is_throttle(reply: Reply) -> bool:
 
 
 def is_connection_failure(replies: Iterable[Reply], reached: bool, tried: bool) -> bool:
-    """Whether an attempt failed at the connection level: a connection was tried
-    (``tried``), no server answered as far as MAIL (``not reached``: no address accepted
-    a connection, or TLS or the greeting failed), and every reply is temporary (a 5yz
-    greeting is the site's answer, not an outage). Pure."""
+    """Whether an attempt failed at the connection level (RFC 5321 §4.5.4.1: the site
+    could not be reached): a connection was tried (``tried``), no server answered as far
+    as MAIL (``not reached``: no address accepted a connection, TLS broke, the greeting
+    never came), and every reply is temporary and this queue's own (no ``remote_host``).
+    A server's reply, even at the greeting, is the site's answer, not an outage: a 421
+    (too many connections) throttles the site (:func:`is_throttle`), a 554 refusal is
+    retried on its schedule. Pure."""
     replies = list(replies)
-    return tried and not reached and bool(replies) and all(r.is_temporary for r in replies)
+    return (
+        tried
+        and not reached
+        and bool(replies)
+        and all(r.is_temporary and r.remote_host is None for r in replies)
+    )

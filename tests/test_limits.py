@@ -164,6 +164,12 @@ def test_connection_failure_classification() -> None:
     assert not limits.is_connection_failure([temp], reached=True, tried=True)
     assert not limits.is_connection_failure([temp], reached=False, tried=False)  # DNS
     assert not limits.is_connection_failure([perm], reached=False, tried=True)
+    # a server's own reply at the greeting (too many connections, or a refusal that the
+    # session took as temporary) is an answer, not an outage
+    greeting = Reply(code=421, enhanced="4.7.0", text="too many connections", remote_host="mx")
+    assert not limits.is_connection_failure([greeting], reached=False, tried=True)
+    refused = R451_CONNECT_FAILED.model_copy(update={"remote_host": "mx"})
+    assert not limits.is_connection_failure([refused], reached=False, tried=True)
 
 
 def test_site_down_reply_names_site_and_time() -> None:
@@ -377,6 +383,30 @@ async def test_throttle_reply_lowers_the_limit_for_everyone() -> None:
     )
     await a.done(adm, throttled)
     assert [(await b.admit("x.test")).go for _ in range(3)] == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    "greeting",
+    [
+        Reply(code=421, enhanced="4.7.0", text="too many connections", remote_host="mx"),
+        R451_CONNECT_FAILED.model_copy(update={"remote_host": "mx"}),  # a 554 greeting
+    ],
+)
+async def test_a_greeting_refusal_is_an_answer_not_an_outage(greeting: Reply) -> None:
+    """A server that refuses the session at its greeting answered: a 421 (too many
+    connections, per client address at Postfix and Exchange) throttles the site (RFC 5321
+    §4.2.2), a 554 is retried on its schedule; neither counts towards ``dead_after``
+    (§4.5.4.1 is about sites that cannot be reached). Both took the site down before."""
+    store, clock, events = MemoryDestinations(), _Clock(), _Events()
+    a = _dest(store, clock, events, sessions=8, dead_after=2)
+    for _ in range(4):
+        adm = await a.admit("x.test")
+        assert adm.go
+        await a.done(adm, Attempt({"a@x.test": greeting}, "mx.x.test"))
+    assert events.events == []
+    state = SiteState.from_json((await store.get(site_key("x.test"))).value)
+    assert state.failures == 0 and state.down_until is None
+    assert (state.throttle_limit is not None) == (greeting.code == 421)
 
 
 async def test_message_rate_is_shared() -> None:

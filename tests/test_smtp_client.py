@@ -770,6 +770,32 @@ async def test_next_mx_on_refused_connection_421_and_554_greeting() -> None:
         assert len(good_mx.delivered) == 1
 
 
+@pytest.mark.parametrize(
+    ("greeting", "code", "enhanced"),
+    [("421 4.7.0 Error: too many connections", 421, "4.7.0"), ("554 5.7.1 go away", 451, "4.4.1")],
+)
+async def test_a_refused_greeting_is_the_servers_reply(
+    greeting: str, code: int, enhanced: str
+) -> None:
+    """RFC 5321 §3.1, §4.2.2: a 421 greeting is recorded as the server sent it, a 554 as a
+    temporary refusal quoting it; both name the server (``remote_host``), which answered:
+    the destination limits throttle on the 421 and do not take the site for dead. A 421
+    greeting used to be recorded as "connection lost", with no remote host."""
+    host = "127.0.2.95"
+    port = shared_port([host])
+    async with ScriptedMx(host, port, greeting=greeting):
+        result = await deliver(
+            target("mx.refusing.example.test", host),
+            envelope("bob@refusing.example.test"),
+            BodySource.from_bytes(b"Subject: t\r\n\r\nx\r\n"),
+            settings_for(port),
+        )
+    reply = result.replies["bob@refusing.example.test"]
+    assert (reply.code, reply.enhanced) == (code, enhanced), reply
+    assert reply.remote_host == "mx.refusing.example.test"
+    assert greeting.split(" ", 2)[2] in reply.text
+
+
 async def test_body_failure_aborts_without_terminator() -> None:
     """RFC 5321 §4.1.1.4: when the body source fails mid-stream the transaction is aborted
     without the end-of-data sequence, so nothing is delivered; the result is temporary."""

@@ -162,14 +162,15 @@ class OutboundSession:
             return exc
         if isinstance(exc, TimeoutError | aiosmtplib.SMTPTimeoutError):
             return Failed(self._fail(R451_TIMEOUT, f"{where}: {stage}: timed out"))
+        if isinstance(exc, aiosmtplib.SMTPResponseException):  # (a refused greeting is a
+            # ConnectionError too: the server's reply, never "connection lost")
+            if exc.code < 0:  # a malformed reply (sync.GuardedProtocol; CASE-19 variant M)
+                return Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
+            return Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
         if isinstance(exc, aiosmtplib.SMTPServerDisconnected | ConnectionError):
             return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc}"))
         if isinstance(exc, ssl.SSLError):
             return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: TLS: {exc}"))
-        if isinstance(exc, aiosmtplib.SMTPResponseException):
-            if exc.code < 0:  # a malformed reply (sync.GuardedProtocol; CASE-19 variant M)
-                return Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc.message}"))
-            return Failed(to_reply(SMTPResponse(exc.code, exc.message), self.host))
         if isinstance(exc, aiosmtplib.SMTPException | ValueError):
             return Failed(with_detail(R451_PROTOCOL_ERROR, f"{where}: {stage}: {exc}"))
         return Failed(self._fail(R451_CONNECTION_LOST, f"{where}: {stage}: {exc!r}"))
@@ -240,11 +241,14 @@ class OutboundSession:
         log.debug("%s: greeting %s", self.where(), greeting)
 
     def _as_temporary(self, reply: Reply, stage: str) -> Reply:
-        """A session-level refusal (greeting, EHLO) is retried later, never a bounce."""
+        """A session-level refusal (greeting, EHLO) is retried later, never a bounce; the
+        server that refused stays its ``remote_host``: it answered (the destination limits
+        take that for no outage, :func:`jsqueue.limits.is_connection_failure`)."""
         if reply.is_temporary:
             return reply
-        return self._fail(
-            R451_CONNECT_FAILED, f"{self.where()} refused the session at {stage}: {reply}"
+        refused = f"{self.where()} refused the session at {stage}: {reply}"
+        return self._fail(R451_CONNECT_FAILED, refused).model_copy(
+            update={"remote_host": reply.remote_host}
         )
 
     async def _hello(self) -> dict[str, str]:
