@@ -235,11 +235,21 @@ def after_success(state: SiteState) -> SiteState:
     return replace(state, failures=0, down_until=None)
 
 
+#: Seconds after a halving in which further throttle replies belong to the same burst.
+THROTTLE_BURST_S = 1.0
+
+
 def after_throttle(state: SiteState, now_s: float, current: int, hold_s: float) -> SiteState:
     """A throttle reply (:func:`is_throttle`): halve the sessions allowed (at least 1) and
     hold that for ``hold_s`` seconds (RFC 5321 §4.5.3.2 and §4.2: a 421 closes the
     session; the client should not answer it by opening another at once). ``current`` is
-    the concurrency allowed before the reply. Pure."""
+    the concurrency allowed before the reply, by ``state``. The replies of one burst
+    (within :data:`THROTTLE_BURST_S` of the last halving: sessions opened together get
+    their 421 together) halve once, as TCP halves once per window; ``state`` is then
+    returned unchanged. Pure."""
+    last = None if state.throttled_until is None else state.throttled_until - hold_s
+    if state.throttle_limit is not None and last is not None and now_s - last < THROTTLE_BURST_S:
+        return state
     return replace(state, throttle_limit=max(1, current // 2), throttled_until=now_s + hold_s)
 
 

@@ -196,16 +196,19 @@ class SharedSite:
         now = self.clock()
         if any(limits.is_throttle(r) for r in replies):
             limit = s.sessions_of(site.name)
-            current = limits.allowed_sessions(site.state, limit, now, s.throttle_grow_s)
-            _, after = await self.change(
-                site, lambda st: limits.after_throttle(st, now, current, s.throttle_hold_s)
-            )
-            log.warning(
-                "site %s: throttled by the receiver; %d session(s) for %.0f s",
-                site.name,
-                after.throttle_limit or 1,
-                s.throttle_hold_s,
-            )
+
+            def throttled(st: SiteState) -> SiteState:  # from the state the CAS is on
+                current = limits.allowed_sessions(st, limit, now, s.throttle_grow_s)
+                return limits.after_throttle(st, now, current, s.throttle_hold_s)
+
+            before, after = await self.change(site, throttled)
+            if after != before:
+                log.warning(
+                    "site %s: throttled by the receiver; %d session(s) for %.0f s",
+                    site.name,
+                    after.throttle_limit or 1,
+                    s.throttle_hold_s,
+                )
             return
         reached = attempt.reached is not None
         if limits.is_connection_failure(replies, reached, attempt.host is not None):

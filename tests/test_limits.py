@@ -137,6 +137,32 @@ def test_throttle_halves_then_grows_back() -> None:
     assert not limits.throttle_worn_off(st, 20, 61.0, 10.0)
     twice = limits.after_throttle(st, 1.0, current=10, hold_s=60.0)
     assert limits.allowed_sessions(twice, 20, 2.0, 10.0) == 5
+    # the 421s of sessions opened together (one burst) halve once
+    assert limits.after_throttle(st, 0.5, current=10, hold_s=60.0) == st
+
+
+async def test_a_throttle_seen_on_a_stale_copy_never_raises_the_limit() -> None:
+    """Worker a halved a site twice (8 -> 4 -> 2); worker b, whose copy of the site state
+    is older, gets a 421 too. Its compare-and-set fails on the old revision and the
+    retry halves the fresh state (2 -> 1). b used to halve its copy's 8 on every retry and
+    wrote 4: a throttle reply raised the sessions allowed."""
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, sessions=8)
+    b = _dest(store, clock, sessions=8, state_refresh_s=3600)
+    throttled = Attempt(
+        {"a@x.test": Reply(code=421, enhanced="4.7.0", text="too many", remote_host="mx")}, "mx"
+    )
+    adm = await b.admit("x.test")  # b reads the state (clear) and keeps that copy
+    for _ in range(2):
+        clock.now += 2 * limits.THROTTLE_BURST_S
+        held = await a.admit("x.test")
+        await a.done(held, throttled)
+    state = SiteState.from_json((await store.get(site_key("x.test"))).value)
+    assert state.throttle_limit == 2
+    clock.now += 2 * limits.THROTTLE_BURST_S
+    await b.done(adm, throttled)
+    state = SiteState.from_json((await store.get(site_key("x.test"))).value)
+    assert state.throttle_limit == 1
 
 
 def test_site_state_json_round_trip_and_garbage() -> None:
