@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from jsqueue import limits
+from jsqueue import destinations, limits
 from jsqueue.admission import site_down_reply
 from jsqueue.config import DestinationSettings, Settings, parse_rate
 from jsqueue.delivery.base import Attempt
 from jsqueue.destinations import FULL_MEMO_S, Destinations
-from jsqueue.errors import StoreUnavailable
+from jsqueue.errors import StoreUnavailable, TemporaryDeliveryError
 from jsqueue.events import Event, EventKind
 from jsqueue.limits import SiteState, SiteStatus
 from jsqueue.names import key_token, site_key, site_of_key, slot_key, token_text
@@ -433,6 +433,31 @@ async def test_a_greeting_refusal_is_an_answer_not_an_outage(greeting: Reply) ->
     state = SiteState.from_json((await store.get(site_key("x.test"))).value)
     assert state.failures == 0 and state.down_until is None
     assert (state.throttle_limit is not None) == (greeting.code == 421)
+
+
+async def test_a_failed_mx_lookup_leaves_a_group_member_its_own_site_only_briefly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Site groups: a domain whose MX lookup fails (SERVFAIL for a moment) is its own site
+    for ``SITE_NAME_RETRY_S`` only; then its MX hosts put it in its group again. The
+    fallback was kept for ``SITE_NAME_TTL_S`` (5 minutes), in which the domain had a limit
+    of its own against the group's MX (18 sessions against the group's 2)."""
+    monkeypatch.setattr(destinations, "SITE_NAME_RETRY_S", 0.05)
+    answers: list[list[str] | None] = [None, ["mx1.bigmail.test"]]
+
+    async def mx_hosts(domain: str) -> list[str]:
+        hosts = answers.pop(0)
+        if hosts is None:
+            raise TemporaryDeliveryError(Reply(code=451, enhanced="4.4.3", text="SERVFAIL"))
+        return hosts
+
+    settings = DestinationSettings.model_validate({"groups": {"big": ["*.bigmail.test"]}})
+    dest = Destinations(MemoryDestinations(), settings, owner="w", mx_hosts=mx_hosts)
+    assert await dest.site_for("a.test") == "a.test"
+    assert await dest.site_for("a.test") == "a.test"  # kept a moment: one lookup, not one each
+    await asyncio.sleep(0.06)
+    assert await dest.site_for("a.test") == "big"
+    assert answers == []
 
 
 async def test_message_rate_is_shared() -> None:
