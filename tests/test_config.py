@@ -111,6 +111,24 @@ INVALID = [
         id="env-list-item",
     ),
     pytest.param({"JSQUEUE_WORKER__MX_PORT": "99999"}, None, r"worker\.mx_port: .*65535", id="env"),
+    pytest.param(  # nats-py failed on it with a traceback when connecting
+        {"JSQUEUE_NATS__URLS": '["nats://127.0.0.1:notaport"]'},
+        None,
+        r"nats\.urls\[0\]: .*'nats://127\.0\.0\.1:notaport': the port must be a number",
+        id="nats-url-port",
+    ),
+    pytest.param(
+        {},
+        '[nats]\nurls = ["nats://a:4222", "http://b:4222"]\n',
+        r"nats\.urls\[1\]: .*the scheme must be nats, tls, ws or wss",
+        id="nats-url-scheme",
+    ),
+    pytest.param(
+        {"JSQUEUE_NATS__URLS": '["ws://a:80", "nats://b:4222"]'},
+        None,
+        r"nats\.urls: .*cannot be mixed",
+        id="nats-url-mixed",
+    ),
     pytest.param(
         {"JSQUEUE_WORKER__TLS_POLICIES": "not-json"},
         None,

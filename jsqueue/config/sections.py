@@ -7,8 +7,10 @@ from enum import StrEnum
 from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_address
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BeforeValidator,
     Field,
     SecretStr,
@@ -218,10 +220,32 @@ def _ip(value: object) -> object:
     return text
 
 
+def _nats_url(url: str) -> str:
+    """``url`` when it is a NATS server URL as the client reads it (``nats://``,
+    ``tls://``, ``ws://``, ``wss://``, or ``host[:port]`` for ``nats://``), with a host and
+    a port from 1 to 65535 when one is given.
+
+    Raises:
+        ValueError: it is not, naming it and what is wrong.
+    """
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    if parts.scheme not in ("nats", "tls", "ws", "wss"):
+        raise ValueError(f"{url!r}: the scheme must be nats, tls, ws or wss")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or parts.netloc.endswith(":"):
+        raise ValueError(f"{url!r}: the port must be a number from 1 to 65535")
+    if not parts.hostname:
+        raise ValueError(f"{url!r}: no host")
+    return url
+
+
 class NatsSettings(_Section):
     """Where the queue lives."""
 
-    urls: list[str] = Field(
+    urls: list[Annotated[str, AfterValidator(_nats_url)]] = Field(
         default_factory=list,
         description="NATS server URLs; empty = start the embedded nats-server",
     )
@@ -253,6 +277,19 @@ class NatsSettings(_Section):
     user: str | None = Field(None, description="NATS user name (with nats.password)")
     password: SecretStr | None = Field(None, description="NATS password (secret)")
     creds_file: Path | None = Field(None, description="NATS credentials file (JWT and NKey)")
+
+    @field_validator("urls")
+    @classmethod
+    def _one_transport(cls, urls: list[str]) -> list[str]:
+        """Websocket URLs only, or none (the client mixes no transports).
+
+        Raises:
+            ValueError: both kinds are given.
+        """
+        ws = {url.partition("://")[0] in ("ws", "wss") for url in urls}
+        if len(ws) > 1:
+            raise ValueError("websocket (ws://, wss://) and other URLs cannot be mixed")
+        return urls
 
 
 def _loopback_networks() -> list[IPv4Network | IPv6Network]:
