@@ -114,13 +114,13 @@ INVALID = [
     pytest.param(  # nats-py failed on it with a traceback when connecting
         {"JSQUEUE_NATS__URLS": '["nats://127.0.0.1:notaport"]'},
         None,
-        r"nats\.urls\[0\]: .*'nats://127\.0\.0\.1:notaport': the port must be a number",
+        r"nats\.urls: .*'nats://127\.0\.0\.1:notaport': the port must be a number",
         id="nats-url-port",
     ),
     pytest.param(
         {},
         '[nats]\nurls = ["nats://a:4222", "http://b:4222"]\n',
-        r"nats\.urls\[1\]: .*the scheme must be nats, tls, ws or wss",
+        r"nats\.urls: .*'http://b:4222': the scheme must be nats, tls, ws or wss",
         id="nats-url-scheme",
     ),
     pytest.param(

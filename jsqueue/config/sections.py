@@ -10,7 +10,6 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
-    AfterValidator,
     BeforeValidator,
     Field,
     SecretStr,
@@ -245,7 +244,7 @@ def _nats_url(url: str) -> str:
 class NatsSettings(_Section):
     """Where the queue lives."""
 
-    urls: list[Annotated[str, AfterValidator(_nats_url)]] = Field(
+    urls: list[str] = Field(
         default_factory=list,
         description="NATS server URLs; empty = start the embedded nats-server",
     )
@@ -280,12 +279,15 @@ class NatsSettings(_Section):
 
     @field_validator("urls")
     @classmethod
-    def _one_transport(cls, urls: list[str]) -> list[str]:
-        """Websocket URLs only, or none (the client mixes no transports).
+    def _urls(cls, urls: list[str]) -> list[str]:
+        """Each a NATS URL (:func:`_nats_url`); websocket URLs only, or none (the client
+        mixes no transports).
 
         Raises:
-            ValueError: both kinds are given.
+            ValueError: one is no NATS URL, or both kinds are given.
         """
+        for url in urls:
+            _nats_url(url)
         ws = {url.partition("://")[0] in ("ws", "wss") for url in urls}
         if len(ws) > 1:
             raise ValueError("websocket (ws://, wss://) and other URLs cannot be mixed")
