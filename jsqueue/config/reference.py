@@ -6,6 +6,7 @@ import json
 import re
 from enum import StrEnum
 from pathlib import Path
+from typing import get_origin
 
 from pydantic import (
     BaseModel,
@@ -71,27 +72,33 @@ def settings_reference() -> str:
         "should be less than or equal to 65535`.",
     ]
 
-    def section(model: type[BaseModel], path: str) -> None:
-        doc = (model.__doc__ or "").strip().split("\n")[0]
+    def section(model: type[BaseModel], path: str, listed: str | None = None) -> None:
+        """``listed``: the variable of the list whose elements ``model`` describes (its
+        fields have none of their own)."""
+        doc = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
+        if listed is not None:
+            doc += f" In the environment: the whole list as JSON in `{listed}`."
         out.extend(["", f"## `{path}`", "", doc, ""])
         out.append("| setting | environment | type | default | unit | meaning |")
         out.append("|---|---|---|---|---|---|")
-        subs: list[tuple[type[BaseModel], str]] = []
+        subs: list[tuple[type[BaseModel], str, str | None]] = []
         for name, info in model.model_fields.items():
             full = f"{path}.{name}"
+            env = "JSQUEUE_" + full.upper().replace(".", "__")
             sub = model_of(info)
             if sub is not None:
-                subs.append((sub, full))
-            env = "JSQUEUE_" + full.upper().replace(".", "__")
+                subs.append((sub, full, env if get_origin(info.annotation) is list else None))
+            shown = f"`{env}`" if listed is None else f"in `{listed}`"
             desc = (info.description or "").replace("|", "\\|")
             if sub is not None:
                 desc = f"{desc} (section `{full}` below)".strip()
             out.append(
-                f"| `{full}` | `{env}` | {_type_text(info).replace('|', 'or')} | "
+                f"| `{full}` | {shown} | "
+                f"{_type_text(info).replace('|', 'or')} | "
                 f"{_default_text(info)} | {_unit(name, desc)} | {desc} |"
             )
-        for sub, full in subs:
-            section(sub, full)
+        for sub, full, list_env in subs:
+            section(sub, full, list_env)
 
     for name, info in Settings.model_fields.items():
         sub = model_of(info)
