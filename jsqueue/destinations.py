@@ -61,6 +61,8 @@ HOLD_WEIGHT = 0.1
 SITE_NAME_TTL_S = 300.0
 #: Seconds the domain itself stands in as its site after its MX lookup failed.
 SITE_NAME_RETRY_S = 5.0
+#: Seconds after its last use a site's view is forgotten (while up and nothing held).
+SITE_IDLE_S = 60.0
 #: Seconds a new session waits for room beyond ``slot_wait_s`` (a QUIT takes up to 5 s).
 CONNECT_WAIT_S = 5.0
 #: Put-back delay of an item whose site is being probed by another worker, seconds.
@@ -435,7 +437,9 @@ class Destinations:
 
     async def renew(self) -> None:
         """Renew every slot held by compare-and-set (a lost one is dropped: it expired
-        under a stall longer than ``slot_ttl_s``) and release those no session needs.
+        under a stall longer than ``slot_ttl_s``) and release those no session needs;
+        forget a site unused for :data:`SITE_IDLE_S` that holds nothing and is not down (a
+        down one stays, so ``jsqueue_destination_down`` reports it for its whole cool-off).
         Call every third of ``slot_ttl_s`` (:meth:`run` does)."""
         for site in list(self._sites.values()):
             for n, rev in list(site.slots.items()):
@@ -454,9 +458,14 @@ class Destinations:
                 else:
                     site.slots[n] = new
             await self._trim(site)
-            idle = asyncio.get_running_loop().time() - site.used_at > 60
-            if idle and not site.slots and not site.active and not site.waiters:
-                self._sites.pop(site.name, None)
+            idle = asyncio.get_running_loop().time() - site.used_at > SITE_IDLE_S
+            st = limits.status(site.state, self.clock(), self.settings.dead_after)
+            if (
+                idle
+                and st is not SiteStatus.DOWN
+                and not (site.slots or site.active or site.waiters)
+            ):
+                self._sites.pop(site.name, None)  # (a down site stays: its metrics say so)
 
     async def rebalance(self) -> None:
         """Give up the slots over this worker's fair share of every site others want, also

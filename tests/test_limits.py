@@ -398,6 +398,24 @@ async def test_dead_site_defers_without_connecting_then_one_probe() -> None:
     assert (await b.admit("x.test")).go
 
 
+async def test_a_down_site_stays_in_the_metrics_for_its_whole_cool_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker forgets a site it has not used for SITE_IDLE_S, unless the site is down:
+    ``jsqueue_destination_down`` must say 1 for the whole cool-off (an alert on it used to
+    clear itself a minute after the last item was put back); after it, it is forgotten."""
+    monkeypatch.setattr(destinations, "SITE_IDLE_S", -1.0)  # every site counts as idle
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, dead_after=1, cool_off_s=600)
+    await a.done(await a.admit("x.test"), FAILED)
+    await a.renew()
+    (site,) = a.snapshot()
+    assert (site.site, site.status) == ("x.test", SiteStatus.DOWN)
+    clock.now += 601  # the cool-off is over: the next item probes it
+    await a.renew()
+    assert a.snapshot() == []
+
+
 async def test_throttle_reply_lowers_the_limit_for_everyone() -> None:
     store, clock = MemoryDestinations(), _Clock()
     a = _dest(store, clock, sessions=4)
