@@ -179,7 +179,7 @@ class Destinations:
         s = self.settings
         state = await self.shared.state(site)
         now = self.clock()
-        st = limits.status(state, now, s.dead_after)
+        st = limits.status(state, now)
         if st is SiteStatus.DOWN and state.down_until is not None:
             until = datetime.fromtimestamp(state.down_until, UTC)
             spread = min(s.cool_off_s / 4, 30.0)
@@ -192,7 +192,7 @@ class Destinations:
             probe = True
             # the copy may predate a probe that just failed elsewhere: read it again
             state = await self.shared.state(site, fresh=True)
-            if limits.status(state, self.clock(), s.dead_after) is SiteStatus.DOWN:
+            if limits.status(state, self.clock()) is SiteStatus.DOWN:
                 await self.shared.drop_probe(site, probe)
                 return await self._admit(site)
         limit = s.sessions_of(site.name)
@@ -459,7 +459,7 @@ class Destinations:
                     site.slots[n] = new
             await self._trim(site)
             idle = asyncio.get_running_loop().time() - site.used_at > SITE_IDLE_S
-            st = limits.status(site.state, self.clock(), self.settings.dead_after)
+            st = limits.status(site.state, self.clock())
             if (
                 idle
                 and st is not SiteStatus.DOWN
@@ -529,7 +529,7 @@ class Destinations:
                     site.active,
                     limit,
                     limits.allowed_sessions(site.state, limit, now, s.throttle_grow_s),
-                    limits.status(site.state, now, s.dead_after),
+                    limits.status(site.state, now),
                     dict(site.deferred),
                 )
             )

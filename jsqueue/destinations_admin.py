@@ -54,7 +54,7 @@ async def _view(
             count = await store.queued(site)
         except InvalidName:
             count = None
-    status = limits.status(state, now_s, settings.dead_after)
+    status = limits.status(state, now_s)
     return DestinationView(
         site=site,
         sessions=len(slots),

@@ -211,10 +211,13 @@ class SiteState:
         )
 
 
-def status(state: SiteState, now_s: float, threshold: int) -> SiteStatus:
+def status(state: SiteState, now_s: float) -> SiteStatus:
     """The site's status at ``now_s``: down while the cool-off runs, probe once it ran out
-    while the failures still reach ``threshold``, else up. Pure."""
-    if state.failures >= threshold and state.down_until is not None:
+    (until a session gets an answer), else up. A cool-off is set only when the failures
+    reached the ``dead_after`` of the worker that counted them (:func:`after_failure`), so
+    a reader with another ``dead_after`` (``dest ls`` run without the service's settings)
+    sees the same. Pure."""
+    if state.down_until is not None:
         return SiteStatus.DOWN if now_s < state.down_until else SiteStatus.PROBE
     return SiteStatus.UP
 

@@ -215,9 +215,9 @@ class SharedSite:
             before, after = await self.change(
                 site, lambda st: limits.after_failure(st, now, s.dead_after, s.cool_off_s)
             )
-            was = limits.status(before, now, s.dead_after)
+            was = limits.status(before, now)
             if (
-                limits.status(after, now, s.dead_after) is SiteStatus.DOWN
+                limits.status(after, now) is SiteStatus.DOWN
                 and was is not SiteStatus.DOWN
             ):
                 self._event(EventKind.SITE_DOWN, site.name, after, replies[0] if replies else None)
@@ -226,7 +226,7 @@ class SharedSite:
             site.state.failures or site.state.down_until is not None or self._worn(site)
         ):
             before, after = await self.change(site, lambda st: self._cleared(site.name, st))
-            if limits.status(before, now, s.dead_after) is not SiteStatus.UP:
+            if limits.status(before, now) is not SiteStatus.UP:
                 self._event(EventKind.SITE_UP, site.name, after, None)
 
     def _worn(self, site: SiteView) -> bool:

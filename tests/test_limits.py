@@ -111,13 +111,20 @@ def test_dead_site_after_threshold_and_cool_off() -> None:
     st = SiteState()
     for i in range(2):
         st = limits.after_failure(st, 100.0 + i, threshold=3, cool_off_s=60)
-        assert limits.status(st, 101.0, 3) is SiteStatus.UP
+        assert limits.status(st, 101.0) is SiteStatus.UP
     st = limits.after_failure(st, 102.0, threshold=3, cool_off_s=60)
-    assert limits.status(st, 103.0, 3) is SiteStatus.DOWN and st.down_until == 162.0
-    assert limits.status(st, 162.0, 3) is SiteStatus.PROBE
+    assert limits.status(st, 103.0) is SiteStatus.DOWN and st.down_until == 162.0
+    assert limits.status(st, 162.0) is SiteStatus.PROBE
     again = limits.after_failure(st, 170.0, threshold=3, cool_off_s=60)  # the probe failed
-    assert limits.status(again, 171.0, 3) is SiteStatus.DOWN and again.down_until == 230.0
+    assert limits.status(again, 171.0) is SiteStatus.DOWN and again.down_until == 230.0
     assert limits.after_success(again).is_clear
+
+
+def test_a_site_marked_down_is_down_whatever_the_readers_dead_after() -> None:
+    """``dead_after`` is the counting worker's: a site it marked down after 1 failure is
+    down for ``dest ls`` run with the default of 5 too (it showed "up", no end)."""
+    st = limits.after_failure(SiteState(), 100.0, threshold=1, cool_off_s=600)
+    assert st.failures == 1 and limits.status(st, 101.0) is SiteStatus.DOWN
 
 
 def test_counting_failures_allows_one_session() -> None:
