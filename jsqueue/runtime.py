@@ -25,7 +25,7 @@ from jsqueue.delivery.signals import telling_names
 from jsqueue.destination_metrics import DestinationCollector
 from jsqueue.destinations import Destinations
 from jsqueue.dsn.notifier import DsnNotifier
-from jsqueue.errors import JsqueueError
+from jsqueue.errors import ConfigError, JsqueueError
 from jsqueue.events import NULL_OBSERVER, Observer, open_publisher
 from jsqueue.frontend.server import serve_smtp
 from jsqueue.health import telemetry
@@ -63,6 +63,7 @@ async def embedded_nats(
 
     Raises:
         JsqueueError: the binary is missing or the port is taken.
+        ConfigError: ``nats.store_dir`` cannot be made or written (one line naming it).
     """
     if settings.nats.urls:
         yield list(settings.nats.urls)
@@ -70,7 +71,10 @@ async def embedded_nats(
     server = EmbeddedNats(
         settings.nats.store_dir, port=settings.nats.port, config_file=settings.nats.config_file
     )
-    await server.start()
+    try:
+        await server.start()
+    except OSError as e:  # the directory (or its log, its config) cannot be made or written
+        raise ConfigError(f"nats.store_dir {settings.nats.store_dir}: {e.strerror or e}") from e
     log.info("embedded nats-server on %s (store %s)", server.url, settings.nats.store_dir)
 
     async def watch() -> None:
@@ -103,15 +107,18 @@ def build_worker(
         stores: the queue's stores.
         resolver: MX resolution; from ``settings.worker`` when None.
         observer: receives the worker's events (events stream, metrics).
+
+    Raises:
+        ConfigError: ``worker.body_cache_dir`` cannot be made or used (one line naming it).
     """
-    cached = replace(
-        stores,
-        bodies=CachedBodyStore(
-            stores.bodies,
-            settings.worker.body_cache_bytes,
-            settings.worker.body_cache_dir,
-        ),
-    )
+    try:
+        cache = CachedBodyStore(
+            stores.bodies, settings.worker.body_cache_bytes, settings.worker.body_cache_dir
+        )
+    except OSError as e:
+        where = settings.worker.body_cache_dir
+        raise ConfigError(f"worker.body_cache_dir {where}: {e.strerror or e}") from e
+    cached = replace(stores, bodies=cache)
     policy = RetryPolicy.from_settings(settings.retry)
     resolver = resolver or resolver_from_settings(settings.worker)
     sites = destination_limits(settings, stores, resolver, observer)

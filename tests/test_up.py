@@ -264,3 +264,31 @@ async def test_nats_command_exits_non_zero_when_its_server_dies(tmp_path: Path) 
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("setting", "path"),
+    [("JSQUEUE_NATS__STORE_DIR", "nats"), ("JSQUEUE_WORKER__BODY_CACHE_DIR", "cache")],
+)
+async def test_an_unusable_directory_is_one_line_naming_its_setting(
+    tmp_path: Path, setting: str, path: str
+) -> None:
+    """A data directory that cannot be made (its parent is a file): exit 2 and one line
+    naming the setting, as for any bad configuration; it was the bare OS error, exit 1."""
+    env, _ = _up_env(tmp_path)
+    (tmp_path / "afile").write_text("")
+    env[setting] = str(tmp_path / "afile" / path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jsqueue", "up", env=env, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        code = await asyncio.wait_for(proc.wait(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.stderr is not None
+    last = (await proc.stderr.read()).decode().strip().splitlines()[-1]
+    name = setting.removeprefix("JSQUEUE_").lower().replace("__", ".")
+    assert code == 2
+    assert last == f"jsqueue: invalid configuration: {name} {env[setting]}: Not a directory"
