@@ -81,6 +81,10 @@ class Destinations:
         observer: receives ``site_down`` / ``site_up`` events.
         clock: Unix seconds (the shared state's times are Unix seconds).
         rng: jitter source.
+        max_per_site: deliveries of one site this worker keeps under way or waiting for a
+            unit at most (:func:`jsqueue.limits.per_site_cap` of ``worker.concurrency``):
+            the rest of its concurrency stays free for other sites, so a full or slow
+            site's backlog never holds up theirs; None: no cap.
     """
 
     def __init__(
@@ -93,8 +97,10 @@ class Destinations:
         observer: Observer = NULL_OBSERVER,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        max_per_site: int | None = None,
     ) -> None:
         self.store = store
+        self.max_per_site = max_per_site
         self.settings = settings
         self.owner = owner
         self.mx_hosts = mx_hosts
@@ -166,14 +172,25 @@ class Destinations:
             the item is admitted (limits are best effort against an outage of NATS, which
             stops the queue anyway)."""
         site_name = await self.site_for(domain)
+        site = self._site(site_name)
+        if self._capped(site):  # the rest of the worker is for other sites
+            return self._defer(site, "full", self._full_delay(site))
+        site.admitting += 1
         try:
-            return await self._admit(self._site(site_name))
+            return await self._admit(site)
         except StoreUnavailable as e:
             log.warning("site %s: limits unavailable (%s); delivering unlimited", site_name, e)
-            site = self._site(site_name)
             site.active += 1
             site.unlimited += 1
             return Admission(site_name, True)
+        finally:
+            site.admitting -= 1
+
+    def _capped(self, site: SiteView) -> bool:
+        """This worker has ``max_per_site`` deliveries of ``site`` under way or being
+        admitted (waiting for a unit included)."""
+        cap = self.max_per_site
+        return cap is not None and site.active + site.admitting >= cap
 
     async def _admit(self, site: SiteView) -> Admission:
         s = self.settings
@@ -232,11 +249,14 @@ class Destinations:
         return self._jitter(site.paced_until - now, spread=0.1)
 
     def full(self, domain: str) -> bool:
-        """Whether :meth:`early` would refuse mail for ``domain`` now: its site was found
-        full moments ago (a scan within :data:`FULL_MEMO_S`), no unit of this worker is
-        free and its waiters are as many as it keeps. Synchronous, no I/O, no side
+        """Whether :meth:`early` would refuse mail for ``domain`` now: this worker has
+        ``max_per_site`` deliveries of its site, or the site was found full moments ago (a
+        scan within :data:`FULL_MEMO_S`), no unit of this worker is free and its waiters
+        are as many as it keeps. Synchronous, no I/O, no side
         effect: the worker asks it before it reads a fetched batch's entries."""
         site = self._sites.get(self.site_known(domain))
+        if site is not None and self._capped(site):
+            return True
         if site is None or asyncio.get_running_loop().time() >= site.full_until:
             return False
         allowed, share = self._limits(site)
@@ -463,7 +483,7 @@ class Destinations:
             if (
                 idle
                 and st is not SiteStatus.DOWN
-                and not (site.slots or site.active or site.waiters)
+                and not (site.slots or site.active or site.admitting)
             ):
                 self._sites.pop(site.name, None)  # (a down site stays: its metrics say so)
 

@@ -31,6 +31,7 @@ __all__ = [
     "gcra",
     "is_connection_failure",
     "is_throttle",
+    "per_site_cap",
     "site_for",
     "status",
     "throttle_worn_off",
@@ -236,6 +237,14 @@ def after_success(state: SiteState) -> SiteState:
     """A session got an answer: the failure count and the cool-off are cleared (the site is
     up again); a throttle stays until it wears off. Pure."""
     return replace(state, failures=0, down_until=None)
+
+
+def per_site_cap(concurrency: int) -> int:
+    """Deliveries of one site a worker of ``concurrency`` keeps under way or waiting for a
+    session unit at most: three quarters, so that a quarter (at least one) is always free
+    for other sites' mail, however long a full or slow site's backlog (Postfix keeps its
+    process limit, 100, above a destination's, 20, for the same reason). Pure."""
+    return max(1, concurrency - max(1, concurrency // 4))
 
 
 #: Seconds after a halving in which further throttle replies belong to the same burst.

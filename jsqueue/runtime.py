@@ -13,6 +13,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+from jsqueue import limits
 from jsqueue.admin import Admin
 from jsqueue.config import Settings
 from jsqueue.delivery.deliverer import SmtpDeliverer
@@ -178,6 +179,7 @@ def destination_limits(
         owner=owner,
         mx_hosts=mx_hosts,
         observer=observer,
+        max_per_site=limits.per_site_cap(settings.worker.concurrency),
     )
 
 

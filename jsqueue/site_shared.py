@@ -216,10 +216,7 @@ class SharedSite:
                 site, lambda st: limits.after_failure(st, now, s.dead_after, s.cool_off_s)
             )
             was = limits.status(before, now)
-            if (
-                limits.status(after, now) is SiteStatus.DOWN
-                and was is not SiteStatus.DOWN
-            ):
+            if limits.status(after, now) is SiteStatus.DOWN and was is not SiteStatus.DOWN:
                 self._event(EventKind.SITE_DOWN, site.name, after, replies[0] if replies else None)
             return
         if reached and (

@@ -27,6 +27,7 @@ class SiteView:
     slots: dict[int, int] = field(default_factory=dict)  # slot n -> revision we wrote
     active: int = 0  # deliveries admitted and not done (each has, or will have, a session)
     unlimited: int = 0  # of those, admitted without the limits (the bucket was unreachable)
+    admitting: int = 0  # admissions under way (their waits for a unit included)
     waiters: int = 0
     wakers: deque[asyncio.Future[None]] = field(default_factory=deque)  # waiters, in order
     state: SiteState = field(default_factory=SiteState)

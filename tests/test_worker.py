@@ -998,3 +998,33 @@ async def test_a_site_limit_holds_when_a_delivery_cannot_reuse_the_idle_session(
     assert len(mx.delivered) == 2 and mx.connections == 2
     assert mx.sessions[0].verbs()[-1] == "QUIT"
     assert mx.sessions[1].beside == 0, "two sessions of a one-session site at once"
+
+
+async def test_a_slow_sites_backlog_leaves_room_for_other_sites(queue_harness: Harness) -> None:
+    """A worker of concurrency 4 and a slow site of 4 sessions whose end-of-data replies
+    are held: 8 messages to it, then one to another site. A quarter of the worker stays
+    for other sites (``limits.per_site_cap``: 3 of 4 here), so the other site's message is
+    delivered while the slow site's 3 wait; the rest of its backlog is put back. All 4
+    used to go to the slow site and nothing else was fetched until one of them ended (a
+    fresh message waited for a 400-message backlog: 60 s)."""
+    h = queue_harness
+    h.configure(worker={"concurrency": 4}, destinations={"sessions": 4})
+    h.dns.add(one_mx("slow.example.test", "127.0.5.32") + one_mx("fast.example.test", "127.0.5.33"))
+    answer = asyncio.Event()
+    async with (
+        ScriptedMx("127.0.5.32", h.mx_port, hold=answer) as slow,
+        SmtpdMx("127.0.5.33", h.mx_port) as fast,
+    ):
+        backlog = [
+            await h.submit(b"Subject: slow\r\n\r\nx\r\n", [f"u{i}@slow.example.test"])
+            for i in range(8)
+        ]
+        async with h.running():
+            await eventually(lambda: slow.held == 3, what="three held at the slow site")
+            fresh = await h.submit(b"Subject: fast\r\n\r\nx\r\n", ["v@fast.example.test"])
+            await eventually(lambda: gone(h, fresh), what="the other site's message delivered")
+            assert slow.held == 3 and len(fast.delivered) == 1
+            answer.set()
+            for qid in backlog:
+                await eventually(lambda qid=qid: gone(h, qid), 30, what="the backlog delivered")
+    assert len(slow.delivered) == 8

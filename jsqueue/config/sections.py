@@ -397,7 +397,12 @@ class SmarthostSettings(_Section):
 class WorkerSettings(_Section):
     """Delivery workers."""
 
-    concurrency: int = Field(20, ge=1, description="deliveries in flight per worker")
+    concurrency: int = Field(
+        32,
+        ge=1,
+        description="deliveries in flight per worker; one site gets three quarters at most, "
+        "the rest stays for other sites (keep it above the largest site's sessions)",
+    )
     batch: int = Field(20, ge=1, description="work items fetched per request")
     ehlo_name: EhloDomain = Field(
         "localhost",
