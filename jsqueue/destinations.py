@@ -235,6 +235,8 @@ class Destinations:
                 self._free(site)
                 await self.shared.drop_probe(site, probe)
                 return self._defer(site, "rate", wait + self.rng.uniform(0, max(1.0, wait)))
+            if kind == "conn" and rate is not None:
+                site.conn_paid += 1  # the session this delivery opens is paid for
         return Admission(site.name, True, probe=probe, at=asyncio.get_running_loop().time())
 
     def _full_delay(self, site: SiteView) -> float:
@@ -376,10 +378,46 @@ class Destinations:
         the delivery may not use: docs/architecture.md, "A new session waits for room").
         Takes a free slot, else closes idle sessions and waits for a unit, at most
         ``slot_wait_s`` + :data:`CONNECT_WAIT_S` seconds; then, or when the bucket is
-        unreachable, it connects and logs it. Never raises but for cancellation."""
+        unreachable, it connects and logs it. Then takes a token of the site's
+        ``connection_rate`` unless its admission did (:meth:`_connection_token`). Never
+        raises but for cancellation."""
         site = self._sites.get(site_name)
         if site is None or site.active == 0 or site.unlimited:
             return
+        await self._room(site)
+        await self._connection_token(site)
+
+    async def _connection_token(self, site: SiteView) -> None:
+        """A token of the site's connection rate for a new session: one its admission took
+        (it counted on no idle session), else one taken now, waiting for it at most
+        ``slot_wait_s`` + :data:`CONNECT_WAIT_S` seconds (then, or when the bucket is
+        unreachable, the session opens and it is logged). An admission that counted on an
+        idle session took none: the rate held only while no session was cached."""
+        rate = self.settings.connection_rate_of(site.name)
+        if rate is None:
+            return
+        if site.conn_paid > 0:
+            site.conn_paid -= 1
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.slot_wait_s + CONNECT_WAIT_S
+        while True:
+            try:
+                wait = await self.shared.take_rate(site, "conn", rate)
+            except StoreUnavailable as e:
+                log.warning("site %s: a session opens without a connection token: %s", site.name, e)
+                return
+            remaining = deadline - loop.time()
+            if wait <= 0:
+                return
+            if remaining <= 0:
+                log.warning("site %s: a session opens over its connection rate", site.name)
+                return
+            await asyncio.sleep(min(wait, remaining))
+
+    async def _room(self, site: SiteView) -> None:
+        """:meth:`connecting`'s wait until the new session fits in the slots held."""
+        site_name = site.name
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.slot_wait_s + CONNECT_WAIT_S
         while True:  # (the slots held: a limit lowered since admitted no one waits for)
@@ -401,6 +439,7 @@ class Destinations:
 
     def _free(self, site: SiteView) -> None:
         site.active = max(0, site.active - 1)
+        site.conn_paid = min(site.conn_paid, site.active)  # (paid, then a session reused)
         site.wake()
 
     async def done(self, admission: Admission, attempt: Attempt | None) -> None:

@@ -28,6 +28,7 @@ class SiteView:
     active: int = 0  # deliveries admitted and not done (each has, or will have, a session)
     unlimited: int = 0  # of those, admitted without the limits (the bucket was unreachable)
     admitting: int = 0  # admissions under way (their waits for a unit included)
+    conn_paid: int = 0  # connection-rate tokens admissions took for sessions not yet opened
     waiters: int = 0
     wakers: deque[asyncio.Future[None]] = field(default_factory=deque)  # waiters, in order
     state: SiteState = field(default_factory=SiteState)

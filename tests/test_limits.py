@@ -485,6 +485,31 @@ async def test_a_failed_mx_lookup_leaves_a_group_member_its_own_site_only_briefl
     assert answers == []
 
 
+async def test_a_session_opened_beside_an_idle_one_takes_a_connection_token(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``connection_rate`` (1/m here): an admission that counts on an idle cached session
+    takes no connection token; when the delivery opens a session after all (the idle one
+    was for another MX host, or taken meanwhile), :meth:`Destinations.connecting` takes
+    one, and waits for it. Such sessions used to open without any: 14 new connections in
+    one second against a rate of 3/s."""
+    monkeypatch.setattr(destinations, "CONNECT_WAIT_S", 0.05)
+    store, clock = MemoryDestinations(), _Clock()
+    a = _dest(store, clock, connection_rate="1/m")
+    opened: list[bool] = []
+    for _ in range(3):
+        a.idle_sessions = lambda site: (1, 0)  # admitted on an idle session
+        adm = await a.admit("x.test")
+        assert adm.go
+        a.idle_sessions = lambda site: (0, 0)  # gone: a session of its own
+        caplog.clear()
+        await a.connecting("x.test")
+        opened.append(not any("over its connection rate" in r.getMessage() for r in caplog.records))
+        await a.done(adm, OK)
+        clock.now += 30
+    assert opened == [True, False, True]  # 0 s, 30 s (too soon: logged), 60 s
+
+
 async def test_message_rate_is_shared() -> None:
     store, clock = MemoryDestinations(), _Clock()
     a = _dest(store, clock, sessions=10, message_rate="2/s")
