@@ -219,9 +219,13 @@ class SharedSite:
             if limits.status(after, now) is SiteStatus.DOWN and was is not SiteStatus.DOWN:
                 self._event(EventKind.SITE_DOWN, site.name, after, replies[0] if replies else None)
             return
-        if reached and (
-            site.state.failures or site.state.down_until is not None or self._worn(site)
-        ):
+        if not reached:
+            return
+        # Failures another worker counted during this attempt are seen on a copy read
+        # again when older than state_refresh_s (at most once a second per site and worker),
+        # not on the admission's, which a long delivery left far behind.
+        state = await self.state(site)
+        if state.failures or state.down_until is not None or self._worn(site):
             before, after = await self.change(site, lambda st: self._cleared(site.name, st))
             if limits.status(before, now) is not SiteStatus.UP:
                 self._event(EventKind.SITE_UP, site.name, after, None)

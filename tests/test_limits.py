@@ -423,6 +423,26 @@ async def test_a_down_site_stays_in_the_metrics_for_its_whole_cool_off(
     assert a.snapshot() == []
 
 
+async def test_an_answer_clears_failures_counted_while_it_was_delivering() -> None:
+    """RFC 5321 §4.5.4.1 counts consecutive failures: worker a's delivery gets an answer
+    while worker b counts 4 connection failures (dead_after 5). a's success clears them
+    (its copy of the state, read at admission, is read again when older than
+    state_refresh_s), so b's fifth failure does not take the answering site down. a's old
+    copy showed nothing to clear, and the site went down for the cool-off."""
+    store, clock, events = MemoryDestinations(), _Clock(), _Events()
+    a = _dest(store, clock, events, dead_after=5, sessions=8)
+    b = _dest(store, clock, events, dead_after=5, sessions=8)
+    delivering = await a.admit("x.test")  # a's copy: no failures
+    for _ in range(4):
+        await b.done(await b.admit("x.test"), FAILED)
+    await asyncio.sleep(0.01)  # a's copy is older than state_refresh_s (1 ms here)
+    await a.done(delivering, OK)
+    await b.done(await b.admit("x.test"), FAILED)
+    state = SiteState.from_json((await store.get(site_key("x.test"))).value)
+    assert state.failures == 1 and state.down_until is None
+    assert events.events == []
+
+
 async def test_throttle_reply_lowers_the_limit_for_everyone() -> None:
     store, clock = MemoryDestinations(), _Clock()
     a = _dest(store, clock, sessions=4)
