@@ -59,8 +59,6 @@ FULL_MEMO_S = 0.5
 HOLD_WEIGHT = 0.1
 #: Seconds a domain's site name (from its MX hosts, for site groups) is kept.
 SITE_NAME_TTL_S = 300.0
-#: Seconds the domain itself stands in as its site after its MX lookup failed.
-SITE_NAME_RETRY_S = 5.0
 #: Seconds after its last use a site's view is forgotten (while up and nothing held).
 SITE_IDLE_S = 60.0
 #: Seconds a new session waits for room beyond ``slot_wait_s`` (a QUIT takes up to 5 s).
@@ -129,8 +127,9 @@ class Destinations:
         """The site of ``domain`` (:func:`jsqueue.limits.site_for`): the domain, or the
         group its MX host names match. Looks MX hosts up at most once per
         :data:`SITE_NAME_TTL_S` per domain, and only when groups are configured; a failed
-        lookup leaves the site the domain for :data:`SITE_NAME_RETRY_S` only (a group's
-        member must not count as a site of its own, with a limit of its own, for long)."""
+        lookup leaves the site the domain for this admission only, and is not kept (a
+        group's member must not count as a site of its own, with a limit of its own, once
+        the DNS answers again; while it fails, so does the delivery's own MX lookup)."""
         groups = self.settings.groups
         if not groups:
             return domain
@@ -138,14 +137,14 @@ class Destinations:
         known = self._names.get(domain)
         if known is not None and known[1] > loop.time():
             return known[0]
-        site, keep_s = limits.site_for(domain, (), groups), SITE_NAME_TTL_S
+        site = limits.site_for(domain, (), groups)
         if site == domain and self.mx_hosts is not None:
             try:
                 site = limits.site_for(domain, await self.mx_hosts(domain), groups)
             except DeliveryError as e:
                 log.info("site of %s unknown for now (MX lookup: %s)", domain, e)
-                keep_s = SITE_NAME_RETRY_S
-        self._names[domain] = (site, loop.time() + keep_s)
+                return site
+        self._names[domain] = (site, loop.time() + SITE_NAME_TTL_S)
         return site
 
     def _site(self, name: str) -> SiteView:
