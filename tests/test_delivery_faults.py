@@ -16,7 +16,14 @@ from aiosmtplib.protocol import SMTPProtocol
 from test_worker import _Events, dsn_parts, gone, one_mx, tried_once
 
 from jsqueue.config import WorkerSettings
-from jsqueue.delivery import BodySource, ConnectionCache, DeliveryEnvelope, MxTarget, deliver
+from jsqueue.delivery import (
+    BodySource,
+    ConnectionCache,
+    DeliveryEnvelope,
+    DeliveryResult,
+    MxTarget,
+    deliver,
+)
 from jsqueue.delivery.sync import GuardedProtocol, GuardedSMTP
 from jsqueue.dsn.report import diagnostic_code
 from jsqueue.envelope import Recipient
@@ -128,6 +135,12 @@ def envelope_of(*addresses: str) -> DeliveryEnvelope:
 BODY = BodySource.from_bytes(b"Subject: many\r\n\r\nbody\r\n")
 
 
+async def to_limit_mx(host: str, port: int, rcpts: list[str], **settings: object) -> DeliveryResult:
+    """One attempt for ``rcpts`` to the one MX ``mx.limit.example.test`` at ``host``."""
+    target = [MxTarget(host="mx.limit.example.test", address=host)]
+    return await deliver(target, envelope_of(*rcpts), BODY, client_settings(port, **settings))
+
+
 @pytest.mark.parametrize(
     "limit_reply",
     [
@@ -160,12 +173,7 @@ async def test_recipient_limit_sends_the_rest_in_further_transactions(
         return limit(session, line)
 
     async with ScriptedMx(host, port, hook=hook) as mx:
-        result = await deliver(
-            [MxTarget(host="mx.limit.example.test", address=host)],
-            envelope_of(*rcpts),
-            BODY,
-            client_settings(port),
-        )
+        result = await to_limit_mx(host, port, rcpts)
     assert result.delivered == rcpts, result.replies
     assert result.deferred == [] and result.failed == []
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:5]]
@@ -196,12 +204,7 @@ async def test_recipient_limit_gives_up_when_a_transaction_accepts_no_one(
         return None
 
     async with ScriptedMx(host, port, hook=hook) as mx:
-        result = await deliver(
-            [MxTarget(host="mx.limit.example.test", address=host)],
-            envelope_of(*rcpts),
-            BODY,
-            client_settings(port, pipelining=pipelining),
-        )
+        result = await to_limit_mx(host, port, rcpts, pipelining=pipelining)
     assert result.delivered == rcpts[:1]
     assert result.deferred == rcpts[1:]
     assert all(result.replies[a].code == 452 for a in rcpts[1:])
@@ -229,12 +232,7 @@ async def test_a_recipient_limit_per_connection_sends_the_rest_on_new_connection
         return None
 
     async with ScriptedMx(host, port, hook=two_per_connection) as mx:
-        result = await deliver(
-            [MxTarget(host="mx.limit.example.test", address=host)],
-            envelope_of(*rcpts),
-            BODY,
-            client_settings(port, pipelining=pipelining),
-        )
+        result = await to_limit_mx(host, port, rcpts, pipelining=pipelining)
     assert result.delivered == rcpts, result.replies
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2], rcpts[2:4], rcpts[4:]]
     assert mx.connections == 3
@@ -260,12 +258,7 @@ async def test_refusals_of_a_follow_up_session_that_then_fails_stand(pipelining:
         return refusal if rcpts[2] in line else "421 4.7.0 Error: too many errors"
 
     async with ScriptedMx(host, port, hook=hook) as mx:
-        result = await deliver(
-            [MxTarget(host="mx.limit.example.test", address=host)],
-            envelope_of(*rcpts),
-            BODY,
-            client_settings(port, pipelining=pipelining),
-        )
+        result = await to_limit_mx(host, port, rcpts, pipelining=pipelining)
     assert [t.rcpt_to for t in mx.delivered] == [rcpts[0:2]]
     assert result.delivered == rcpts[0:2]
     assert (result.replies[rcpts[2]].code, result.replies[rcpts[2]].enhanced) == (550, "5.1.1")
@@ -412,12 +405,7 @@ async def test_any_other_552_to_rcpt_defers_its_recipient_only(
     port = shared_port([host])
     a, full, c = "a@limit.example.test", "full@limit.example.test", "c@limit.example.test"
     async with ScriptedMx(host, port, rcpt_replies={full: full_reply}) as mx:
-        result = await deliver(
-            [MxTarget(host="mx.limit.example.test", address=host)],
-            envelope_of(a, full, c),
-            BODY,
-            client_settings(port, pipelining=pipelining),
-        )
+        result = await to_limit_mx(host, port, [a, full, c], pipelining=pipelining)
     assert result.delivered == [a, c] and result.deferred == [full] and result.failed == []
     recorded = result.replies[full]
     assert recorded.code == 452 and recorded.is_temporary

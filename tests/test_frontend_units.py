@@ -367,6 +367,20 @@ def test_enhanced_codes_added(raw: str, expected: str) -> None:
     assert with_enhanced_code(raw) == expected
 
 
+def plain_received(helo: str, client_ip: str) -> bytes:
+    """The Received: field of an ESMTP session without TLS, for several recipients."""
+    return received_header(
+        helo=helo,
+        client_ip=client_ip,
+        hostname="mx.jsqueue.test",
+        protocol="ESMTP",
+        queue_id="01abcdefghjkmnpqrstvwxyz01",
+        recipient=None,
+        tls=None,
+        when=datetime(2026, 3, 2, 9, 0, tzinfo=UTC),
+    )
+
+
 def test_received_header_shape() -> None:
     """RFC 5321 §4.4: From-domain with TCP-info, By-domain, With, ID, For (one recipient
     only), date; folded lines, none longer than 78 octets here."""
@@ -388,16 +402,7 @@ def test_received_header_shape() -> None:
         b"\tfor <bob@dest.example.test>;\r\n"
         b"\tMon, 02 Mar 2026 09:00:00 +0000\r\n"
     )
-    many = received_header(
-        helo="bad helo (x)",
-        client_ip="::1",
-        hostname="mx.jsqueue.test",
-        protocol="ESMTP",
-        queue_id="01abcdefghjkmnpqrstvwxyz01",
-        recipient=None,
-        tls=None,
-        when=when,
-    )
+    many = plain_received("bad helo (x)", "::1")
     assert many.startswith(b"Received: from [IPv6:::1] ([IPv6:::1])\r\n\t(helo=bad helo ?x?)\r\n")
     assert b"for <" not in many
     assert all(len(line) <= 78 for line in many.split(b"\r\n"))
@@ -417,16 +422,7 @@ def test_a_helo_that_only_looks_like_an_address_literal_is_a_comment(helo: str) 
     is no address literal, so the client's text goes into the sanitised ``(helo=...)``
     comment, never raw into the ``from`` clause, where it forged a TCP-info comment or left
     one open to swallow the rest of the field."""
-    field = received_header(
-        helo=helo,
-        client_ip="127.0.0.1",
-        hostname="mx.jsqueue.test",
-        protocol="ESMTP",
-        queue_id="01abcdefghjkmnpqrstvwxyz01",
-        recipient=None,
-        tls=None,
-        when=datetime(2026, 3, 2, 9, 0, tzinfo=UTC),
-    )
+    field = plain_received(helo, "127.0.0.1")
     first, second = field.split(b"\r\n")[:2]
     assert first == b"Received: from [127.0.0.1] ([127.0.0.1])"
     assert second.startswith(b"\t(helo=") and second.count(b"(") == 1 and second.endswith(b")")
