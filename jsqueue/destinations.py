@@ -391,7 +391,7 @@ class Destinations:
         (it counted on no idle session), else one taken now, waiting for it at most
         ``slot_wait_s`` + :data:`CONNECT_WAIT_S` seconds (then, or when the bucket is
         unreachable, the session opens and it is logged). An admission that counted on an
-        idle session took none: the rate held only while no session was cached."""
+        idle session takes none, so the token of a session opened beside it is taken here."""
         rate = self.settings.connection_rate_of(site.name)
         if rate is None:
             return
