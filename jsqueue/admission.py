@@ -43,7 +43,8 @@ class Admission:
         go: deliver now (a session unit is reserved: call :meth:`Destinations.done`).
         delay_s: when not ``go``, seconds to put the item back for (jittered); it is not a
             delivery attempt.
-        reason: ``full``, ``rate``, ``down`` or ``probing`` when not ``go``; empty otherwise.
+        reason: ``full``, ``capped``, ``rate``, ``down`` or ``probing`` when not ``go``;
+            empty otherwise.
         reply: for ``down``: the 451 4.4.1 reply to record for the deferred recipients.
         probe: ``go`` as the one probe of a dead site whose cool-off ran out.
         at: when ``go``: the event loop's time of the admission (for the hold time).

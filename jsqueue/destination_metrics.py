@@ -8,7 +8,9 @@ cluster's figures are sums over the pods (``sum by (site)``). The label set is b
 - ``jsqueue_destination_allowed_sessions{site}``: sessions allowed now (after throttling);
 - ``jsqueue_destination_down{site}``: 1 while the site is down (dead site) or probed;
 - ``jsqueue_destination_deferrals_total{site,reason}``: items put back without an attempt
-  (``full``, ``rate``, ``down``, ``probing``).
+  (``full``: the site's sessions are taken; ``capped``: this worker keeps the rest of its
+  concurrency for other sites, :func:`jsqueue.limits.per_site_cap`, a busy site's normal
+  traffic, no sign of trouble; ``rate``, ``down``, ``probing``).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class Destinations:
         site_name = await self.site_for(domain)
         site = self._site(site_name)
         if self._capped(site):  # the rest of the worker is for other sites
-            return self._defer(site, "full", self._full_delay(site))
+            return self._defer(site, "capped", self._full_delay(site))
         site.admitting += 1
         try:
             return await self._admit(site)
@@ -270,7 +270,8 @@ class Destinations:
         if not self.full(domain):
             return None
         site = self._site(self.site_known(domain))
-        return self._defer(site, "full", self._full_delay(site))
+        reason = "capped" if self._capped(site) else "full"
+        return self._defer(site, reason, self._full_delay(site))
 
     def _limits(self, site: SiteView) -> tuple[int, int]:
         """(sessions allowed, this worker's fair share of them) by the state last read."""

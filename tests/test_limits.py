@@ -527,6 +527,27 @@ async def test_a_session_opened_beside_an_idle_one_takes_a_connection_token(
     assert opened == [True, False, True]  # 0 s, 30 s (too soon: logged), 60 s
 
 
+async def test_a_worker_keeps_room_for_other_sites() -> None:
+    """``max_per_site`` (limits.per_site_cap of worker.concurrency): past it, a site's item
+    goes back at once with reason ``capped``, at admission and before its entry is read
+    (``early``), while the site has sessions to spare; other sites are admitted. The reason
+    is not ``full``: it is a busy site's normal traffic, not its limit."""
+    store, clock = MemoryDestinations(), _Clock()
+    settings = DestinationSettings.model_validate({"sessions": 8, "slot_wait_s": 0})
+    a = Destinations(store, settings, owner="w", clock=clock, max_per_site=2)
+    held = [await a.admit("x.test") for _ in range(2)]
+    assert all(adm.go for adm in held)
+    refused = await a.admit("x.test")
+    assert (refused.go, refused.reason) == (False, "capped")
+    early = a.early("x.test")
+    assert early is not None and early.reason == "capped"
+    assert (await a.admit("y.test")).go and a.early("y.test") is None
+    await a.done(held[0], OK)
+    assert (await a.admit("x.test")).go
+    assert limits.per_site_cap(32) == 24 and limits.per_site_cap(4) == 3
+    assert limits.per_site_cap(1) == 1
+
+
 async def test_message_rate_is_shared() -> None:
     store, clock = MemoryDestinations(), _Clock()
     a = _dest(store, clock, sessions=10, message_rate="2/s")
