@@ -1008,7 +1008,10 @@ async def test_a_slow_sites_backlog_leaves_room_for_other_sites(queue_harness: H
     used to go to the slow site and nothing else was fetched until one of them ended (a
     fresh message waited for a 400-message backlog: 60 s)."""
     h = queue_harness
-    h.configure(worker={"concurrency": 4}, destinations={"sessions": 4})
+    # (the held replies must not time out while the other site's message goes: no retries)
+    h.configure(
+        worker={"concurrency": 4, "data_final_timeout_s": 120.0}, destinations={"sessions": 4}
+    )
     h.dns.add(one_mx("slow.example.test", "127.0.5.32") + one_mx("fast.example.test", "127.0.5.33"))
     answer = asyncio.Event()
     async with (
