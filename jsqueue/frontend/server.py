@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections import Counter
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
@@ -92,7 +91,6 @@ class SmtpServer:
         self.draining = False
         self._server: asyncio.Server | None = None
         self._sessions: dict[InboundSession, IPAddress | None] = {}  # -> the client's address
-        self._per_client: Counter[IPAddress] = Counter()
         self._all_closed = asyncio.Event()
         self._all_closed.set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -131,27 +129,28 @@ class SmtpServer:
         ``relay_networks``, as Postfix's smtpd_client_connection_count_limit, 50, exempts
         $mynetworks) are: then the session answers ``421 4.7.0`` and closes. Called by
         the session on connect."""
-        s = self.settings
-        if self.draining or len(self._sessions) >= s.max_sessions:
+        if self.draining or len(self._sessions) >= self.settings.max_sessions:
             return False
-        if ip is not None and not any(ip in net for net in s.relay_networks):
-            if s.max_sessions_per_client and self._per_client[ip] >= s.max_sessions_per_client:
-                log.info("client %s: %d sessions open; one more refused", ip, self._per_client[ip])
-                return False
-            self._per_client[ip] += 1
+        if self._over_client_limit(ip):
+            return False
         self._sessions[session] = ip
         self._all_closed.clear()
         return True
 
+    def _over_client_limit(self, ip: IPAddress | None) -> bool:
+        """``ip``, outside ``relay_networks``, has ``max_sessions_per_client`` open (counted
+        over the sessions held: at most ``max_sessions``)."""
+        limit = self.settings.max_sessions_per_client
+        if not limit or ip is None or any(ip in net for net in self.settings.relay_networks):
+            return False
+        open_ = sum(1 for other in self._sessions.values() if other == ip)
+        if open_ >= limit:
+            log.info("client %s: %d sessions open; one more refused", ip, open_)
+        return open_ >= limit
+
     def release(self, session: InboundSession) -> None:
         """Count ``session`` out (its connection ended). Idempotent."""
-        if session not in self._sessions:
-            return
-        ip = self._sessions.pop(session)
-        if ip is not None and ip in self._per_client:
-            self._per_client[ip] -= 1
-            if self._per_client[ip] <= 0:
-                del self._per_client[ip]
+        self._sessions.pop(session, None)
         if not self._sessions:
             self._all_closed.set()
 
