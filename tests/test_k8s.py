@@ -50,6 +50,7 @@ from jsqueue.config import Settings, load_settings
 from jsqueue.frontend.server import SmtpServer
 from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
+from jsqueue.store.jetstream.provisioning import memory_storage_needed
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -645,7 +646,7 @@ NATS_VALUES_SCHEMA = strict(
                                 "pvc": strict({"enabled": BOOL, "size": STRING}),
                             }
                         ),
-                        "memoryStore": strict({"enabled": BOOL}),
+                        "memoryStore": strict({"enabled": BOOL, "maxSize": STRING}),
                         "merge": strict({"sync_interval": STRING}),
                     }
                 ),
@@ -727,7 +728,7 @@ def test_nats_values_make_a_durable_three_node_jetstream_cluster() -> None:
     assert values["config"]["cluster"] == {"enabled": True, "replicas": 3}
     assert jetstream["enabled"] and jetstream["fileStore"]["enabled"]
     assert jetstream["fileStore"]["pvc"]["enabled"]
-    assert not jetstream["memoryStore"]["enabled"]
+    assert jetstream["memoryStore"]["enabled"]
     assert jetstream["merge"]["sync_interval"] == "always"
     # one server per node, selected by the chart's own pod labels
     affinity = values["podTemplate"]["merge"]["spec"]["affinity"]
@@ -746,6 +747,35 @@ def test_nats_values_make_a_durable_three_node_jetstream_cluster() -> None:
     broken["config"]["jetstream"]["merge"]["syncInterval"] = "always"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, NATS_VALUES_SCHEMA)
+
+
+_QUANTITY_UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def quantity(text: str) -> int:
+    """A Kubernetes (and NATS chart) byte quantity such as ``256Mi``, in octets."""
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|k|M|G|)", text)
+    assert match, f"not a byte quantity: {text!r}"
+    return int(match[1]) * _QUANTITY_UNITS[match[2]]
+
+
+def test_the_nats_values_give_the_memory_store_jsqueue_provisions(
+    rendered: list[dict[str, Any]], secrets: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """What jsqueue creates in memory (the ingest log) fits each server's memory store as
+    the chart configures it (``max_memory_store`` from ``memoryStore.maxSize``; 0 when the
+    store is off, and the front ends never became ready), and the store fits the
+    container's memory limit with room for the server itself."""
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    store = values["config"]["jetstream"]["memoryStore"]
+    chart_max_memory = quantity(store["maxSize"]) if store["enabled"] else 0
+    for name in ("jsqueue-smtp", "jsqueue-worker"):
+        settings = manifest_settings(rendered, secrets, name, tmp_path / name)
+        needed = memory_storage_needed(settings.nats, Names(settings.nats.prefix))
+        assert 0 < needed <= chart_max_memory, (name, needed, chart_max_memory)
+    limit = quantity(values["container"]["merge"]["resources"]["limits"]["memory"])
+    assert chart_max_memory <= limit // 4
+    assert quantity("64Mi") == 64 * 2**20 and quantity("1G") == 10**9
 
 
 def test_autoscaler_reads_the_work_consumers_num_pending(

@@ -266,6 +266,32 @@ async def test_nats_command_exits_non_zero_when_its_server_dies(tmp_path: Path) 
             await proc.wait()
 
 
+@pytest.mark.parametrize("args", [["nats"], ["nats", "--cluster"]])
+async def test_nats_command_refuses_to_start_a_server_when_nats_urls_are_set(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """With ``nats.urls`` set the queue uses those servers: ``jsqueue nats`` starts nothing,
+    and says so in one line naming the setting (exit 2), instead of "ready" over nothing."""
+    env, _ = _up_env(tmp_path)
+    env["JSQUEUE_NATS__URLS"] = '["nats://jsqueue:secret@127.0.0.1:4999"]'
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jsqueue",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert out == b""
+    [line] = err.decode().splitlines()
+    assert line.startswith("jsqueue: nats.urls is set (nats://jsqueue:**********@127.0.0.1:4999)")
+    assert "secret" not in line
+    assert not (tmp_path / "nats").exists()
+
+
 @pytest.mark.parametrize(
     ("setting", "path"),
     [("JSQUEUE_NATS__STORE_DIR", "nats"), ("JSQUEUE_WORKER__BODY_CACHE_DIR", "cache")],

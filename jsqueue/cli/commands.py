@@ -178,11 +178,20 @@ def nats(
     """Run only the embedded nats-server (JetStream, nats.store_dir, nats.port).
 
     Exits with status 1 as soon as the server dies (with ``--cluster``: once no node is
-    left), so a supervisor sees it and restarts it, as ``jsqueue up`` does.
+    left), so a supervisor sees it and restarts it, as ``jsqueue up`` does. Refused (exit
+    2, one line) when ``nats.urls`` is set: the queue then uses those servers, and a local
+    one started beside them would serve nobody.
     """
     from jsqueue.runtime import embedded_nats
 
     settings = _settings()
+    if settings.nats.urls:
+        _fail(
+            f"nats.urls is set ({', '.join(_hide_url_password(u) for u in settings.nats.urls)}): "
+            "jsqueue uses those servers and `jsqueue nats` starts none; unset nats.urls "
+            "(JSQUEUE_NATS__URLS) to run the embedded one",
+            2,
+        )
 
     async def main(stop: asyncio.Event) -> None:
         if cluster:

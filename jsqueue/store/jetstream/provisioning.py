@@ -127,6 +127,27 @@ def _stream_configs(settings: NatsSettings, names: Names) -> list[dict[str, Any]
     ]
 
 
+def memory_storage_needed(settings: NatsSettings, names: Names) -> int:
+    """JetStream memory storage each NATS server must allow for what :func:`provision`
+    creates in memory, octets: the sum of the memory streams' ``max_bytes`` (every replica
+    of a stream holds all of it). A server configured with less (``max_memory_store``;
+    the NATS Helm chart's ``config.jetstream.memoryStore.maxSize``, 0 when the memory
+    store is off) refuses to create them with "insufficient storage", and the front ends
+    never become ready.
+
+    Raises:
+        ValueError: a memory stream without a byte limit (it could take any amount).
+    """
+    total = 0
+    for config in _stream_configs(settings, names):
+        if config["storage"] != "memory":
+            continue
+        if config.get("max_bytes", -1) <= 0:
+            raise ValueError(f"memory stream {config['name']} has no max_bytes")
+        total += int(config["max_bytes"])
+    return total
+
+
 def _consumer_config(settings: NatsSettings, names: Names) -> dict[str, Any]:
     """The shared durable pull consumer (DESIGN.md §2.6): no backoff, unlimited deliveries."""
     return {
@@ -226,7 +247,14 @@ async def _ensure_stream(
             except ApiError as ce:
                 if ce.err_code == ErrCode.STREAM_NAME_IN_USE:
                     continue  # created concurrently by another process: compare it
-                raise ProvisioningError(f"stream {name}: cannot create: {ce}") from ce
+                hint = ""
+                if wanted["storage"] == "memory":
+                    hint = (
+                        f"; it is a memory stream of {wanted['max_bytes']} octets: each NATS "
+                        "server must allow that much JetStream memory storage "
+                        "(max_memory_store; the Helm chart's memoryStore.maxSize)"
+                    )
+                raise ProvisioningError(f"stream {name}: cannot create: {ce}{hint}") from ce
         diff = _differences(info["config"], wanted)
         if diff and not update:
             _left_alone("stream", name, diff)
