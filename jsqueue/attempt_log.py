@@ -12,7 +12,7 @@ from jsqueue.envelope import Entry, Recipient
 from jsqueue.events import EventKind, Observer, attempt_events, entry_event, recipient_event
 from jsqueue.replies import Reply
 
-__all__ = ["log_attempt", "log_expired", "log_outcome"]
+__all__ = ["log_attempt", "log_expired", "log_interrupted", "log_outcome"]
 
 log = logging.getLogger("jsqueue.worker")
 
@@ -73,6 +73,29 @@ def log_cut_further(
     entry store refused them for their size): a warning and a ``too_large`` event."""
     log.warning("queue %s: entry too large; %s", entry.id, detail)
     observer.emit(entry_event(EventKind.TOO_LARGE, entry, source=source, at=at, detail=detail))
+
+
+def log_interrupted(
+    observer: Observer,
+    source: str,
+    at: datetime,
+    entry: Entry,
+    domain: str,
+    why: str,
+    uncertain: bool,
+) -> None:
+    """Say that an attempt on ``entry``'s ``domain`` ended without its outcome recorded
+    (``why``: a stop at the drain bound, a crashed process's lease taken over) and is sent
+    again. With ``uncertain`` its final dot went out (RFC 5321 §4.5.3.2.6); else it may
+    have: where a crashed process stopped is not stored (that would cost a synced write per
+    message). Either way the next hop may already have the message, and the send that
+    follows may be a duplicate (RFC 5321 §6.1): a warning and an ``interrupted`` event
+    (``uncertain: true``, ``domain``) say so."""
+    how = "its final dot was sent" if uncertain else "it may have reached DATA"
+    detail = f"{domain}: attempt interrupted ({why}); {how}: a possible duplicate"
+    log.warning("queue %s: %s", entry.id, detail)
+    event = entry_event(EventKind.INTERRUPTED, entry, source=source, at=at, detail=detail)
+    observer.emit(event.model_copy(update={"domain": domain, "uncertain": True}))
 
 
 def log_expired(observer: Observer, source: str, at: datetime, before: Entry, entry: Entry) -> None:

@@ -88,6 +88,10 @@ class EventKind(StrEnum):
     # carry ``site`` and no queue id
     SITE_DOWN = "site_down"
     SITE_UP = "site_up"
+    # a delivery attempt ended without its outcome recorded (its worker stopped at the
+    # drain bound, or crashed and its lease was taken over) and is sent again; with
+    # ``uncertain`` the next hop may have the message already (RFC 5321 §6.1)
+    INTERRUPTED = "interrupted"
 
 
 class Event(BaseModel):

@@ -17,6 +17,7 @@ settled). Two faults of a plain compare-and-set loop are ruled out here:
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,10 +28,19 @@ from jsqueue import state
 from jsqueue.delivery.base import Attempt
 from jsqueue.delivery.body import aclose
 from jsqueue.envelope import Entry
-from jsqueue.errors import LeaseLost, RevisionConflict, StoreUnavailable
+from jsqueue.errors import (
+    EntryNotFound,
+    EntryTooLarge,
+    LeaseLost,
+    RevisionConflict,
+    StoreUnavailable,
+)
+from jsqueue.events import EventKind, Observer, entry_event
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout
 from jsqueue.store.base import Stores, Versioned
+
+log = logging.getLogger("jsqueue.worker")
 
 
 def fenced(
@@ -175,3 +185,59 @@ class AttemptRecord:
                 self._unsure = _Unsure(new, recorded, v.revision, removed)
                 raise
         raise AssertionError("unreachable: versions() raises when its tries run out")
+
+
+class HoldFor(NamedTuple):
+    """What :func:`hold_too_large` holds: ``domain``'s lease of ``owner`` (process
+    ``instance``) is given back, and ``error`` is the entry store's size refusal."""
+
+    domain: str
+    owner: str
+    instance: str
+    error: EntryTooLarge
+
+
+async def hold_too_large(
+    stores: Stores,
+    start: Versioned | str,
+    hold: HoldFor,
+    observer: Observer,
+    source: str,
+    at: datetime,
+    pause: Callable[[int], float],
+    tries: int,
+) -> None:
+    """The entry store refuses what a worker has to write for its size: hold the entry (as
+    an operator's hold does), give back the lease, keep the reason in ``last_error`` (left
+    out when even it does not fit), say why (error log line, ``too_large`` and ``held``
+    events). A size refusal is never retried as if it were an outage, which would send the
+    message again after the lease. An entry deleted meanwhile is left so (logged).
+
+    Raises:
+        StoreUnavailable: nothing held.
+        RevisionConflict: every one of ``tries`` compare-and-sets lost.
+    """
+    reason = f"entry too large to store ({hold.domain}): {hold.error}"
+
+    async def write(entry: Entry, revision: int) -> Versioned:
+        try:
+            return Versioned(entry, await stores.entries.update(entry, revision))
+        except EntryTooLarge:  # the reason itself does not fit beside the entry
+            bare = entry.model_copy(update={"last_error": None})
+            return Versioned(bare, await stores.entries.update(bare, revision))
+
+    def held(entry: Entry) -> Entry | None:
+        return state.hold(entry, hold.domain, hold.owner, reason, instance=hold.instance)
+
+    try:
+        changed = await cas.change(
+            stores.entries, start, held, write=write, tries=tries, pause=pause
+        )
+    except EntryNotFound:
+        qid = start if isinstance(start, str) else start.entry.id
+        log.info("queue %s: deleted meanwhile (%s)", qid, reason)
+        return
+    entry = changed.after.entry if changed.after is not None else changed.before.entry
+    log.error("queue %s: held: %s; release it to deliver again", entry.id, reason)
+    for kind in (EventKind.TOO_LARGE, EventKind.HELD):
+        observer.emit(entry_event(kind, entry, source=source, at=at, detail=reason))

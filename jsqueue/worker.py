@@ -21,12 +21,12 @@ from typing import Protocol
 
 from jsqueue import state
 from jsqueue.admission import Gate, put_back
-from jsqueue.attempt_log import log_attempt, log_cut_further, log_expired
+from jsqueue.attempt_log import log_attempt, log_cut_further, log_expired, log_interrupted
 from jsqueue.config import WorkerSettings
 from jsqueue.delivery.base import Attempt, BodySource, Deliverer
 from jsqueue.delivery.committed import dot_sent
 from jsqueue.destinations import Destinations
-from jsqueue.envelope import Entry, utcnow
+from jsqueue.envelope import Entry, Lease, utcnow
 from jsqueue.errors import (
     EntryNotFound,
     EntryTooLarge,
@@ -34,8 +34,8 @@ from jsqueue.errors import (
     RevisionConflict,
     StoreUnavailable,
 )
-from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event
-from jsqueue.recording import AttemptRecord, fenced
+from jsqueue.events import NULL_OBSERVER, Observer
+from jsqueue.recording import AttemptRecord, HoldFor, fenced, hold_too_large
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
@@ -53,9 +53,8 @@ RECORD_TRIES = 50
 RECORD_PAUSE_MAX_S = 0.1
 #: Reply text kept per recipient on each try to record an attempt, octets: the bound every
 #: entry keeps (:data:`~jsqueue.replies.STORED_REPLY_OCTETS`) first; while the entry store
-#: refuses the entry as too large, the replies are cut further, then to their codes. When
-#: even that is refused, the entry is held (:meth:`Worker._hold`): a size refusal is never
-#: retried as if it were an outage, which would send the message again after the lease.
+#: refuses the entry as too large, the replies are cut further, then to their codes; then
+#: the entry is held (:func:`jsqueue.recording.hold_too_large`).
 REPLY_OCTET_STEPS = (STORED_REPLY_OCTETS, 64, 0)
 
 
@@ -179,7 +178,11 @@ class Worker:
         while not stop.is_set():
             free = self.settings.concurrency - len(self._tasks)
             if free <= 0:
-                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                # Every slot is taken: wait for one to end, or for the stop (SIGTERM), which
+                # must start the drain bound now, not when a slow delivery ends.
+                stopping = asyncio.create_task(stop.wait())
+                await asyncio.wait({*self._tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                await cancel_and_wait(stopping)
                 continue
             try:
                 batch = await self.stores.scheduler.fetch(min(self.settings.batch, free), 0.5)
@@ -230,42 +233,44 @@ class Worker:
                 self.stores.presence, self.owner, self.instance, grace_s, self._liveness
             )
 
-    async def _dead(self, owner: str) -> bool:
-        """Whether lease owner ``owner`` is not present (one read; False without a presence
-        store or when the read fails: a lease is only taken from a worker known dead)."""
+    async def _gone(self, lease: Lease) -> bool:
+        """Whether the process that holds ``lease`` is gone: its owner name is not present,
+        or present for another process (a restart under the same name). One read; False
+        without a presence store or when the read fails (taken only from a known gone)."""
         if self.stores.presence is None:
             return False
         try:
-            return await self.stores.presence.seen(owner) is None
+            mark = await self.stores.presence.seen(lease.owner)
         except StoreUnavailable:
             return False
+        return mark is None or (lease.instance is not None and mark.instance != lease.instance)
 
     async def drain(self) -> None:
-        """Finish in-flight deliveries within the drain bound; give back the rest, except
-        those that sent a final dot: they get up to ``data_final_timeout_s`` more for its
-        reply and their record (RFC 5321 §4.5.3.2.6, §6.1: cancelled, they would be sent
-        again)."""
+        """Finish in-flight deliveries within ``drain_timeout_s`` seconds, then give back
+        the rest (lease released, item due at once): the bound holds whatever the next hops
+        do, so a stop fits the pod's grace period. A delivery cut off after its final dot
+        (no reply yet, RFC 5321 §4.5.3.2.6) may have reached the next hop: its give-back
+        says so (log line, ``interrupted`` event with ``uncertain``), as the send that
+        follows may be a duplicate (RFC 5321 §6.1)."""
         if not self._tasks:
             return
         _, pending = await asyncio.wait(self._tasks, timeout=self.settings.drain_timeout_s)
-        sent = {t for t in pending if dot_sent(t)}
-        for task in pending - sent:
+        for task in pending:
             task.cancel()
-        if sent:
-            _, late = await asyncio.wait(sent, timeout=self.settings.data_final_timeout_s)
-            for task in late:
-                task.cancel()
         if pending:
             await asyncio.wait(pending)
 
     # ------------------------------------------------------------------ one item
 
     async def _handle(self, due: Due, ahead: Versioned | None = None) -> None:
+        keep = asyncio.create_task(self._keep_alive(due))
         try:
             await self._process(due, ahead)
             self.handled += 1
         except asyncio.CancelledError:
-            await asyncio.shield(self._give_back(due))
+            task = asyncio.current_task()
+            uncertain = task is not None and dot_sent(task)
+            await asyncio.shield(self._give_back(due, uncertain))
             raise
         except EntryTooLarge as e:
             # A claim, expiry or DSN mark the entry store refuses for its size: retried, it
@@ -282,11 +287,30 @@ class Worker:
             log.exception("queue %s: unexpected error; retrying in 60 s", due.item.queue_id)
             with contextlib.suppress(StoreUnavailable):  # unsettled items come back anyway
                 await due.retry(60.0)
+        finally:
+            await cancel_and_wait(keep)
 
-    async def _give_back(self, due: Due) -> None:
-        """Drain path: release our lease and make the item due again at once."""
+    async def _keep_alive(self, due: Due) -> None:
+        """Keep ``due`` from redelivery from its fetch to its settlement: an in-progress
+        acknowledgement every third of the ack wait, which can then be short, so a crashed
+        worker's items come back soon (``nats.ack_wait_s``). A failed one is tried again."""
+        interval = max(0.5, self.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(StoreUnavailable):
+                await due.in_progress()
+
+    async def _give_back(self, due: Due, uncertain: bool) -> None:
+        """Drain path: release our lease and make the item due again at once. With
+        ``uncertain`` (the final dot was sent, its reply not read) the next send may be a
+        duplicate (RFC 5321 §6.1): a warning and an ``interrupted`` event say so."""
         with contextlib.suppress(StoreUnavailable, EntryNotFound, RevisionConflict):
             v = await self.stores.entries.get(due.item.queue_id)
+            if uncertain:
+                why, at = "this worker stopped", self.clock()
+                log_interrupted(
+                    self.observer, self._source, at, v.entry, due.item.domain, why, True
+                )
             if state.holds(v.entry, due.item.domain, self.owner, self.instance):
                 await self.stores.entries.update(
                     state.release(v.entry, due.item.domain), v.revision
@@ -359,7 +383,8 @@ class Worker:
             if read is seed and verdict.verdict is not state.Verdict.DELIVER:
                 continue
             dead: str | None = None
-            if verdict.leased_by is not None and await self._dead(verdict.leased_by):
+            lease = entry.leases.get(item.domain) if entry else None
+            if verdict.leased_by is not None and lease and await self._gone(lease):
                 dead, now = verdict.leased_by, self.clock()
                 verdict = state.check(
                     entry,
@@ -380,9 +405,9 @@ class Worker:
                 log.debug("queue %s %s: %s", item.queue_id, item.domain, verdict.reason)
                 delay_s = verdict.delay_s
                 if verdict.leased_by is not None and self.stores.presence is not None:
-                    # Another owner's lease: look at its presence again within the grace,
-                    # so that a worker dying now does not hold the mail for a whole lease.
-                    delay_s = min(delay_s, self.settings.presence_grace_s)
+                    # Another owner's lease: look at its presence again every fifth of the
+                    # grace, so a crashed worker's mail goes soon after its mark lapses.
+                    delay_s = min(delay_s, max(1.0, self.settings.presence_grace_s / 5))
                 await due.retry(delay_s)
                 return None
             assert v is not None
@@ -423,15 +448,9 @@ class Worker:
             except RevisionConflict:
                 continue
             if old is not None and old.until > now:
-                whose = "dead worker" if dead else "earlier process of this worker"
-                log.warning(
-                    "queue %s %s: took over the lease of %s %s (until %s)",
-                    item.queue_id,
-                    item.domain,
-                    whose,
-                    old.owner,
-                    old.until.isoformat(),
-                )
+                whose = "a dead worker" if dead else "an earlier process of this worker"
+                why = f"lease of {whose} {old.owner} taken over, until {old.until.isoformat()}"
+                log_interrupted(self.observer, self._source, now, v.entry, item.domain, why, False)
             return v
         await due.retry(1.0)
         return None
@@ -442,7 +461,7 @@ class Worker:
         recipients = entry.open_recipients(item.domain)
         started = self.clock()
         held = _Held(claimed)
-        heartbeat = asyncio.create_task(self._heartbeat(due, held, turn))
+        heartbeat = asyncio.create_task(self._heartbeat(due.item.domain, held, turn))
         fence = partial(self._still_held, item.domain, held, turn)
         body = BodySource(fenced(layout.delivery_body(self.stores, entry), fence), entry.size)
         try:
@@ -568,41 +587,24 @@ class Worker:
 
     async def _hold(self, due: Due, start: Versioned | str, error: EntryTooLarge) -> None:
         """The entry store refuses what this worker has to write for its size: hold the
-        entry (as an operator's hold does), give back our lease, keep the reason in
-        ``last_error``, say why (error log line, ``too_large`` and ``held`` events) and
-        settle the work item. Nothing of the entry is sent again until it is released.
+        entry (:func:`~jsqueue.recording.hold_too_large`) and settle the work item. Nothing
+        of the entry is sent again until it is released.
 
         Raises:
             StoreUnavailable: the item stays unsettled (it comes back after the ack wait).
             RevisionConflict: every try lost (:data:`RECORD_TRIES`); unsettled likewise.
         """
-        item = due.item
-        reason = f"entry too large to store ({item.domain}): {error}"
-
-        async def write(entry: Entry, revision: int) -> Versioned:
-            try:
-                return Versioned(entry, await self.stores.entries.update(entry, revision))
-            except EntryTooLarge:  # the reason itself does not fit beside the entry
-                bare = entry.model_copy(update={"last_error": None})
-                return Versioned(bare, await self.stores.entries.update(bare, revision))
-
-        try:
-            changed = await cas.change(
-                self.stores.entries,
-                start,
-                lambda e: state.hold(e, item.domain, self.owner, reason, instance=self.instance),
-                write=write,
-                tries=RECORD_TRIES,
-                pause=self._pause,
-            )
-        except EntryNotFound:
-            log.info("queue %s: deleted meanwhile (%s)", item.queue_id, reason)
-        else:
-            entry = changed.after.entry if changed.after is not None else changed.before.entry
-            log.error("queue %s: held: %s; release it to deliver again", entry.id, reason)
-            source, at = f"worker:{self.owner}", self.clock()
-            for kind in (EventKind.TOO_LARGE, EventKind.HELD):
-                self.observer.emit(entry_event(kind, entry, source=source, at=at, detail=reason))
+        held = HoldFor(due.item.domain, self.owner, self.instance, error)
+        await hold_too_large(
+            self.stores,
+            start,
+            held,
+            self.observer,
+            self._source,
+            self.clock(),
+            self._pause,
+            RECORD_TRIES,
+        )
         await due.ack()
 
     async def _update(self, entry: Entry, revision: int) -> Versioned:
@@ -629,21 +631,20 @@ class Worker:
         """Final, not a DSN (those stay, see :meth:`_finish`) and owing no DSN."""
         return entry.is_final and not entry.is_dsn and not self.notifier.owes(entry, now)
 
-    async def _heartbeat(self, due: Due, held: _Held, turn: cas.Turn) -> None:
-        """During a long SMTP session, keep the work item alive (in-progress acks) and the
-        lease on the destination: renewed by compare-and-set once half of ``lease_s`` has
-        run (:func:`state.renewed`), so that it never runs out under a live worker and no
-        flush, reconciler or other worker starts a second transaction beside this one
-        (DESIGN.md §2.3). A failed beat (NATS unavailable) is tried again at the next."""
-        interval = max(0.5, min(self.ack_wait_s, self.settings.lease_s) / 3)
+    async def _heartbeat(self, domain: str, held: _Held, turn: cas.Turn) -> None:
+        """During a long SMTP session, keep the lease on the destination: renewed by
+        compare-and-set once half of ``lease_s`` has run (:func:`state.renewed`), so that it
+        never runs out under a live worker and no flush, reconciler or other worker starts
+        a second transaction beside this one (DESIGN.md §2.3). A failed beat (NATS
+        unavailable) is tried again at the next. (The work item is kept alive by
+        :meth:`_keep_alive` for the whole of its handling.)"""
+        interval = max(0.5, self.settings.lease_s / 3)
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(StoreUnavailable):
-                await due.in_progress()
             # A renewal is no larger than the claim: a size refusal is not expected here.
             with contextlib.suppress(StoreUnavailable, EntryTooLarge):
                 async with turn.lock:
-                    await self._renew(due.item.domain, held, turn)
+                    await self._renew(domain, held, turn)
 
     async def _renew(self, domain: str, held: _Held, turn: cas.Turn) -> None:
         """Renew our lease on ``domain`` in ``held`` when due; after a lost compare-and-set

@@ -22,7 +22,7 @@ from typing import Any
 import nats.errors
 import pytest
 
-from jsqueue.config import NatsSettings, Settings
+from jsqueue.config import NatsSettings, Settings, WorkerSettings
 from jsqueue.envelope import WorkItem, utcnow
 from jsqueue.errors import JsqueueError, ProvisioningError, RevisionConflict, StoreUnavailable
 from jsqueue.names import Names, new_queue_id
@@ -443,6 +443,44 @@ async def test_worker_process_killed_mid_delivery(
     assert mx.copies()[hung] == 1
     duplicates = sum(n - 1 for n in mx.copies().values())
     print(f"\nworker loss: 31 messages delivered, duplicates {duplicates}")
+
+
+async def test_a_crashed_workers_mail_is_sent_again_within_20_s_with_the_defaults(
+    nats_cluster: EmbeddedCluster, cluster_settings: NatsSettings, names: Names, tmp_path: Path
+) -> None:
+    """kill -9 of a worker process waiting for an MX's reply to its final dot, with the
+    default ack wait, presence grace and lease (600 s): the other worker process connects
+    for that message again within 20 s (the item comes back within the ack wait, the lease
+    is taken over once the dead worker's presence lapses), says that the resend may be a
+    duplicate (RFC 5321 §6.1), and the message arrives once answered."""
+    hung = f"m0@{SINK}"
+    defaults = WorkerSettings()
+    nats = cluster_settings.model_copy(update={"ack_wait_s": NatsSettings().ack_wait_s})
+    worker = {"presence_grace_s": defaults.presence_grace_s, "lease_s": defaults.lease_s}
+    with DnsServer(ZONE) as dns:
+        port = shared_port(MX_HOSTS[:40])
+        settings = process_settings(nats, dns, port, tmp_path, worker=worker)
+        mx = CountingMx(SINK_IP, port, reply=SILENT)
+        async with mx, processes(settings, tmp_path, "smtp", "worker") as (_, first):
+            assert (await send_load("127.0.0.1", settings.smtp.port, 1, SINK)).accepted()
+            await eventually(lambda: bool(mx.refusals), 20, what="the worker at the final dot")
+            second = jsqueue_proc(settings, tmp_path, "worker", "second")
+            await second.start("running")
+            try:
+                sessions = len(mx.sessions)
+                await first.kill()
+                killed_at = time.monotonic()
+                mx.reply = "250 2.0.0 ok"
+                await eventually(lambda: len(mx.sessions) > sessions, 25, what="a new session")
+                took = time.monotonic() - killed_at
+                await eventually(lambda: hung in recipients(mx), 20, what="delivered")
+                await second.wait_for_log("possible duplicate", 10)
+                assert second.running
+            finally:
+                await second.kill()
+    print(f"\ncrashed worker: its message was tried again {took:.1f} s after the kill")
+    assert took < 20.0
+    assert mx.copies()[hung] == 1
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ dot, so that a lease stays taken while the worker is killed."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -49,7 +50,7 @@ async def kill(w: Worker, task: asyncio.Task[None]) -> None:
     """Stands for kill -9: deliveries end without giving anything back (no lease released,
     no NAK), heartbeats and presence stop, nothing is drained."""
 
-    async def nothing(due: JetStreamDue) -> None:
+    async def nothing(due: JetStreamDue, uncertain: bool) -> None:
         return None
 
     w._give_back = nothing  # type: ignore[assignment,method-assign]
@@ -114,6 +115,40 @@ async def test_dead_workers_lease_is_taken_over_after_the_grace(queue_harness: H
         assert time.monotonic() - began < ACK_WAIT_S + 2 * GRACE_S + 15 < LEASE_S
         assert w2.owner == "pod-b"
         assert await h.entry(qid) is None
+
+
+async def test_a_lease_of_a_process_that_restarted_under_its_name_is_taken_over_at_once(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pod-a is killed mid-delivery and restarts under its name: its new process's
+    presence stands, but the lease names the dead process (its instance). Another worker
+    that gets the item takes the lease over as soon as the item comes back, rather than
+    taking pod-a for alive and putting the mail back until the lease runs out (600 s); the
+    takeover is logged as a possible duplicate (RFC 5321 §6.1)."""
+    h = queue_harness
+    configure(h)
+    presence = h.stores.presence
+    assert presence is not None
+    async with ScriptedMx("127.0.2.20", h.mx_port, hold=asyncio.Event()) as mx:
+        qid = await crashed_mid_delivery(h, mx, "pod-a")
+        restarted = presence_mod.Liveness(LEASE_S)
+        await presence.beat("pod-a", "restarted-process", LEASE_S)
+        beats = asyncio.create_task(
+            presence_mod.keep_alive(presence, "pod-a", "restarted-process", LEASE_S, restarted)
+        )
+        try:
+            w2 = h.worker(owner="pod-b")
+            with caplog.at_level(logging.WARNING, logger="jsqueue.worker"):
+                async with h.running(w2):
+                    await eventually(
+                        lambda: len(mx.delivered) == 1, ACK_WAIT_S + 15, what="taken over"
+                    )
+        finally:
+            beats.cancel()
+        assert (await presence.seen("pod-a")) is not None, "pod-a was present throughout"
+        assert await h.entry(qid) is None
+    [line] = [r.getMessage() for r in caplog.records if "possible duplicate" in r.getMessage()]
+    assert "lease of a dead worker pod-a taken over" in line and "reached DATA" in line
 
 
 async def test_live_workers_lease_is_never_taken(queue_harness: Harness) -> None:

@@ -344,17 +344,18 @@ async def test_drain_gives_back_unfinished_work(queue_harness: Harness) -> None:
     assert len(mx.delivered) == 1
 
 
-async def test_drain_waits_for_the_reply_to_a_final_dot_it_sent(queue_harness: Harness) -> None:
+async def test_drain_waits_for_the_reply_to_a_final_dot_within_the_bound(
+    queue_harness: Harness,
+) -> None:
     """RFC 5321 §4.5.3.2.6, §6.1: a worker stopped while it waits for the reply to its
-    final dot is not cancelled at the drain bound (the next hop may be taking the
-    message): the reply that comes after the bound is read and recorded, and the message
-    is never sent again."""
+    final dot keeps waiting for it within the drain bound: the reply read then is recorded,
+    and the message is never sent again."""
     h = queue_harness
     h.dns.add(
         "slowdot.example.test. 300 IN MX 10 mx.slowdot.example.test.\n"
         "mx.slowdot.example.test. 300 IN A 127.0.5.20\n"
     )
-    h.configure(worker={"drain_timeout_s": 0.5, "lease_s": 600.0})
+    h.configure(worker={"drain_timeout_s": 30.0, "lease_s": 600.0})
     hold = asyncio.Event()
     async with ScriptedMx("127.0.5.20", h.mx_port, hold=hold) as mx:
         qid = await h.submit(case_message("CASE-07"), ["u@slowdot.example.test"])
@@ -363,18 +364,80 @@ async def test_drain_waits_for_the_reply_to_a_final_dot_it_sent(queue_harness: H
         try:
             await mx.wait_for(lambda: mx.held == 1)
             stop.set()
-            await asyncio.sleep(1.5)  # past the drain bound, within data_final_timeout_s
+            await asyncio.sleep(0.5)
             assert not task.done(), "the drain waits for the reply to the dot"
             hold.set()
             await asyncio.wait_for(task, 10)
         finally:  # a failure above ends the worker while its nats-server is still up
             stop.set()
             hold.set()
-            await asyncio.wait({task}, timeout=30)
+            await asyncio.wait({task}, timeout=40)
         assert await h.entry(qid) is None, "delivered and recorded by the stopped worker"
         async with h.running():
             await asyncio.sleep(1.0)
     assert len(mx.delivered) == 1 and mx.connections == 1
+
+
+async def test_the_drain_bound_holds_at_full_concurrency_against_silent_final_dots(
+    queue_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM while every delivery slot waits on an MX that never answers the final dot
+    (and more mail is due): the stop is seen at once, not when a delivery ends (up to
+    ``data_final_timeout_s``), and the worker returns within ``drain_timeout_s``, so a
+    rolling update fits the pod's grace period. The cut-off deliveries are given back
+    (leases released) and said to be possible duplicates (RFC 5321 §6.1)."""
+    h = queue_harness
+    h.dns.add(
+        "silentdot.example.test. 300 IN MX 10 mx.silentdot.example.test.\n"
+        "mx.silentdot.example.test. 300 IN A 127.0.5.21\n"
+        "silentdot2.example.test. 300 IN MX 10 mx.silentdot.example.test.\n"
+    )
+    # two sites: a worker gives one site three quarters of its slots at most
+    concurrency, drain_s = 4, 1.0
+    rcpts = [f"u{i}@silentdot{d}.example.test" for i in range(3) for d in ("", "2")]
+    h.configure(
+        worker={
+            "concurrency": concurrency,
+            "drain_timeout_s": drain_s,
+            "data_final_timeout_s": 600.0,
+            "lease_s": 600.0,
+        }
+    )
+    async with ScriptedMx("127.0.5.21", h.mx_port, end_of_data=SILENT) as mx:
+        ids = [await h.submit(case_message("CASE-07"), [rcpt]) for rcpt in rcpts]
+        w = h.worker()
+        stop = asyncio.Event()
+        task = asyncio.create_task(w.run(stop))
+        try:
+            await eventually(
+                lambda: sum(len(s.transactions) for s in mx.sessions) == concurrency,
+                20,
+                what="every slot past its final dot",
+            )
+            assert len(w._tasks) == concurrency
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with caplog.at_level(logging.WARNING, logger="jsqueue.worker"):
+                stop.set()
+                await asyncio.wait_for(asyncio.shield(task), drain_s + 5)
+            assert loop.time() - began < drain_s + 5
+        finally:
+            stop.set()
+            await asyncio.wait({task}, timeout=30)
+        interrupted = [r for r in caplog.records if "a possible duplicate" in r.getMessage()]
+        assert len(interrupted) == concurrency
+        assert all("its final dot was sent" in r.getMessage() for r in interrupted)
+        for qid in ids:
+            e = await h.entry(qid)
+            assert e is not None and e.leases == {}, "leases released"
+        mx.end_of_data = "250 2.0.0 ok"
+
+        async def all_gone() -> bool:
+            return all([await gone(h, q) for q in ids])
+
+        async with h.running():
+            await eventually(all_gone, 30, what="delivered")
+    assert sorted(r for t in mx.delivered for r in t.rcpt_to) == sorted(rcpts)
 
 
 class LosesACancellation:

@@ -255,7 +255,12 @@ class NatsSettings(_Section):
         "jsq", description="name prefix of every bucket, stream and subject"
     )
     replicas: Replicas = Field(1, description="replica count of buckets and streams")
-    ack_wait_s: float = Field(60.0, gt=0, description="work item ack wait, seconds")
+    ack_wait_s: float = Field(
+        10.0,
+        gt=0,
+        description="work item ack wait, seconds: a crashed worker's items come back after "
+        "it (a worker acknowledges progress every third of it while it holds an item)",
+    )
     max_ack_pending: int = Field(
         1_000_000, ge=1000, description="consumer limit; must exceed deferred backlog"
     )
@@ -463,7 +468,7 @@ class WorkerSettings(_Section):
         "the host name (the pod name in Kubernetes) when unset",
     )
     presence_grace_s: float = Field(
-        30.0,
+        15.0,
         ge=1,
         le=3600,
         description="a worker without a heartbeat for this long is dead and its leases are "
