@@ -234,16 +234,18 @@ class Worker:
             )
 
     async def _gone(self, lease: Lease) -> bool:
-        """Whether the process that holds ``lease`` is gone: its owner name is not present,
-        or present for another process (a restart under the same name). One read; False
-        without a presence store or when the read fails (taken only from a known gone)."""
-        if self.stores.presence is None:
-            return False
-        try:
-            mark = await self.stores.presence.seen(lease.owner)
-        except StoreUnavailable:
-            return False
-        return mark is None or (lease.instance is not None and mark.instance != lease.instance)
+        """Whether the process that holds ``lease`` is known gone
+        (:func:`~jsqueue.store.presence.process_gone`); False without a presence store."""
+        known = self.stores.presence
+        return known is not None and await presence.process_gone(known, lease.owner, lease.instance)
+
+    def _standing_s(self) -> float:
+        """Seconds this process's presence mark certainly stands yet (no other worker can
+        take its leases over before), from its last beat that succeeded; half the grace
+        without a presence store."""
+        if self._liveness is None:
+            return self.settings.presence_grace_s / 2
+        return self._liveness.left_s(asyncio.get_running_loop().time())
 
     async def drain(self) -> None:
         """Finish in-flight deliveries within ``drain_timeout_s`` seconds, then give back
@@ -508,8 +510,7 @@ class Worker:
             )
             write = partial(record.write, start, octets, turn)
             try:  # while neither the lease nor this worker's presence can run out
-                grace_s = self.settings.presence_grace_s / 2
-                outcome = await cas.through_outage(write, min(0.9 * left_s, grace_s))
+                outcome = await cas.through_outage(write, min(0.9 * left_s, self._standing_s()))
             except EntryTooLarge as e:
                 refused = e
                 continue

@@ -38,6 +38,24 @@ class Liveness:
         """Whether the mark certainly stands at ``now`` (monotonic seconds)."""
         return now < self.until
 
+    def left_s(self, now: float) -> float:
+        """Seconds the mark certainly stands after ``now`` (monotonic seconds; <= 0: it
+        may have lapsed)."""
+        return self.until - now
+
+
+async def process_gone(presence: Presence, owner: str, instance: str | None) -> bool:
+    """Whether process ``instance`` of lease owner ``owner`` is known gone: the name is not
+    present, or present for another process (the owner restarted under its name, so the
+    process that held ``instance``'s leases died). ``instance`` None (a lease written
+    before instances were recorded) is told by the name alone. One read; False when it
+    fails (a lease is only ever taken from a process known gone, DESIGN.md §2.3)."""
+    try:
+        mark = await presence.seen(owner)
+    except StoreUnavailable:
+        return False
+    return mark is None or (instance is not None and mark.instance != instance)
+
 
 async def take_name(
     presence: Presence, owner: str, instance: str, grace_s: float, liveness: Liveness
