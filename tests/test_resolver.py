@@ -245,21 +245,44 @@ async def test_mx_hosts_without_address() -> None:
         assert [t.address for t in await resolver.resolve("mixed.example.test")] == ["127.0.2.7"]
 
 
-async def test_an_mx_host_written_as_an_address_is_that_address(
+IP_MX_ZONE = """
+    ipmx.example.test.   300 IN MX 10 127.0.6.90.
+    ipmx.example.test.   300 IN MX 20 backup.example.test.
+    backup.example.test. 300 IN A 127.0.2.7
+    onlyip.example.test. 300 IN MX 10 127.0.6.91.
+    zeromx.example.test. 300 IN MX 10 0.0.0.0.
+"""
+
+
+async def test_an_mx_host_written_as_an_address_is_not_used_by_default(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """RFC 5321 §5.1 wants a name as the MX host, but zones carry ``MX 10 192.0.2.1.`` too.
-    Looked up as a name it has no address, and a domain with no other MX bounced with
-    ``5.4.4``; it is now used as the address it is (with a warning, as Postfix does), in
-    its preference order, and an unusable one (``0.0.0.0``) is still not."""
-    zone = """
-        ipmx.example.test.   300 IN MX 10 127.0.6.90.
-        ipmx.example.test.   300 IN MX 20 backup.example.test.
-        backup.example.test. 300 IN A 127.0.2.7
-        zeromx.example.test. 300 IN MX 10 0.0.0.0.
-    """
-    with DnsServer(zone) as dns:
+    """RFC 1035 §3.3.9 and RFC 5321 §5.1: the exchange of an MX record is a host name;
+    ``MX 10 192.0.2.1.`` is unusable (Postfix refuses it: "numeric domain name in resource
+    data of MX record"). The next MX is tried; with none left the recipient fails with
+    ``550 5.4.4`` naming the record, never looked up as a name nor connected to."""
+    with DnsServer(IP_MX_ZONE) as dns:
         resolver = resolver_for(dns)
+        targets = await resolver.resolve("ipmx.example.test")
+        assert [(t.host, t.address) for t in targets] == [("backup.example.test", "127.0.2.7")]
+        assert "MX host 127.0.6.90 is an IP address, not a host name" in caplog.text
+        with pytest.raises(PermanentDeliveryError) as perm:
+            await resolver.resolve("onlyip.example.test")
+        assert perm.value.reply.code == 550 and perm.value.reply.enhanced == "5.4.4"
+        assert "no usable MX host of onlyip.example.test" in perm.value.reply.text
+        assert "MX host 127.0.6.91 is an IP address" in perm.value.reply.text
+        assert not {("127.0.6.90", "A"), ("127.0.6.91", "A")} & set(dns.queried)
+
+
+async def test_an_mx_host_written_as_an_address_is_that_address_when_opted_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``worker.mx_address_targets`` (off by default, as Haraka's ``allow_mx_ip``): such a
+    record is used as the address it is (with a warning), in its preference order, and an
+    unusable one (``0.0.0.0``) is still not."""
+    assert WorkerSettings().mx_address_targets is False
+    with DnsServer(IP_MX_ZONE) as dns:
+        resolver = resolver_for(dns, mx_address_targets=True)
         targets = await resolver.resolve("ipmx.example.test")
         assert [(t.host, t.address) for t in targets] == [
             ("127.0.6.90", "127.0.6.90"),
@@ -270,6 +293,7 @@ async def test_an_mx_host_written_as_an_address_is_that_address(
         with pytest.raises(PermanentDeliveryError) as perm:
             await resolver.resolve("zeromx.example.test")
         assert perm.value.reply.enhanced == "5.4.4"
+        assert "MX host 0.0.0.0 is no remote address" in perm.value.reply.text
 
 
 async def test_mx_addresses_that_reach_no_remote_server_are_not_used(

@@ -428,6 +428,13 @@ class WorkerSettings(_Section):
         "MX of the same or a lower preference are dropped (RFC 5321 §5.1; 554 5.4.6 when it "
         "is the best MX); the smarthost is never matched",
     )
+    mx_address_targets: bool = Field(
+        False,
+        description="use an MX record whose exchange is an IP address (MX 10 192.0.2.1.) as "
+        "that address; off: such a record is unusable (RFC 1035 §3.3.9 and RFC 5321 §5.1 "
+        "make it a host name; Postfix refuses it), the next MX is tried, and with none left "
+        "the recipients bounce with 5.4.4 naming it",
+    )
     mx_port: int = Field(25, ge=1, le=65535, description="TCP port of remote MXes")
     max_mx_addresses: int = Field(5, ge=1, description="MX addresses tried per attempt")
     nameservers: list[str] = Field(default_factory=list, description="resolver IPs; empty=system")

@@ -168,6 +168,14 @@ def _stub(
     return resolver
 
 
+class _UnusableExchange(PermanentDeliveryError):
+    """An MX record whose exchange cannot be used at all (``why`` says which and why)."""
+
+    def __init__(self, reply: Reply, why: str) -> None:
+        super().__init__(reply)
+        self.why = why
+
+
 class DnsResolver:
     """MX resolution with dnspython's asyncio stub resolver (RFC 5321 §5.1, RFC 7505).
 
@@ -188,6 +196,11 @@ class DnsResolver:
         rng: random source for shuffling equal preferences (tests pass a seeded one).
         cache: the answers kept (:func:`answer_cache`); None = none.
         own_addresses: this queue's addresses (``worker.own_addresses``, normal form).
+        mx_address_targets: use an MX record whose exchange is an IP address
+            (``MX 10 192.0.2.1.``) as that address. RFC 1035 §3.3.9 and RFC 5321 §5.1 make
+            the exchange a host name, and Postfix refuses such records; by default (False)
+            one is unusable: the next MX is tried, and with none left the recipients fail
+            naming it (``550 5.4.4``).
     """
 
     def __init__(
@@ -201,8 +214,10 @@ class DnsResolver:
         rng: random.Random | None = None,
         cache: AnswerCache | None = None,
         own_addresses: Collection[str] = (),
+        mx_address_targets: bool = False,
     ) -> None:
         self._resolver = _stub(nameservers, port, timeout_s, cache)
+        self._mx_address_targets = mx_address_targets
         self._own = own_addresses
         self._timeout_s = timeout_s
         self._max = max_addresses
@@ -212,8 +227,8 @@ class DnsResolver:
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> DnsResolver:
         """Build from ``worker.nameservers``, ``nameserver_port``, ``dns_timeout_s``,
-        ``max_mx_addresses``, ``dns_cache_size``, ``dns_cache_max_ttl_s`` and
-        ``own_addresses``."""
+        ``max_mx_addresses``, ``dns_cache_size``, ``dns_cache_max_ttl_s``,
+        ``own_addresses`` and ``mx_address_targets``."""
         return cls(
             settings.nameservers,
             port=settings.nameserver_port,
@@ -221,6 +236,7 @@ class DnsResolver:
             max_addresses=settings.max_mx_addresses,
             cache=answer_cache(settings),
             own_addresses=settings.own_addresses,
+            mx_address_targets=settings.mx_address_targets,
         )
 
     async def resolve(self, domain: str) -> list[MxTarget]:
@@ -228,7 +244,9 @@ class DnsResolver:
 
         Raises:
             PermanentDeliveryError: NXDOMAIN (``550 5.1.2``), null MX (``550 5.1.10``), no
-                address for the domain or any of its MX hosts (``550 5.4.4``).
+                address for the domain or any of its MX hosts, or no usable MX host (an IP
+                address as the exchange, see ``mx_address_targets``; ``550 5.4.4``, naming
+                it).
             TemporaryDeliveryError: SERVFAIL, timeout, CNAME loop, or an MX host lookup
                 failed temporarily and no other host had an address (``451 4.4.3``).
         """
@@ -264,6 +282,7 @@ class DnsResolver:
         hosts = self._order([(pref, host) for pref, host in mx if host not in ("", ".")])
         targets: list[MxTarget] = []
         last_error: TemporaryDeliveryError | None = None
+        unusable: list[str] = []  # MX hosts that cannot be used at all, and why
         for pref, host in hosts:
             if len(targets) >= self._max and (not self._own or pref != targets[-1].preference):
                 break  # (with own_addresses: this queue may be in the last preference)
@@ -271,6 +290,8 @@ class DnsResolver:
             if error is not None:
                 log.warning("MX host %s of %s: %s", host, name, error.reply.text)
                 last_error = error if isinstance(error, TemporaryDeliveryError) else last_error
+                if isinstance(error, _UnusableExchange):
+                    unusable.append(error.why)
             for address in addresses:
                 if all(t.address != address for t in targets):
                     targets.append(MxTarget(host=host, address=address, preference=pref))
@@ -279,9 +300,10 @@ class DnsResolver:
             return targets[: self._max] + me[:1]
         if last_error is not None:
             raise last_error
-        raise PermanentDeliveryError(
-            _reply(R550_MX_HOST_NOT_FOUND, f"no MX host of {name} has an address")
-        )
+        why = f"no MX host of {name} has an address"
+        if unusable:
+            why = f"no usable MX host of {name}: {'; '.join(unusable)}"
+        raise PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, why))
 
     def _order(self, mx: list[tuple[int, str]]) -> list[tuple[int, str]]:
         """Sort by preference, shuffle within equal preferences, drop repeated hosts."""
@@ -355,17 +377,25 @@ class DnsResolver:
     async def _exchange_addresses(
         self, host: str, domain: str
     ) -> tuple[list[str], TemporaryDeliveryError | PermanentDeliveryError | None]:
-        """:meth:`_addresses` of an MX host, except one written as an IP address (RFC 5321
-        §5.1 wants a name there; its A lookup fails and the domain would bounce with
-        5.4.4): that address is used as it is, with a warning, as Postfix does."""
+        """:meth:`_addresses` of an MX host, except one written as an IP address: RFC 1035
+        §3.3.9 and RFC 5321 §5.1 make the exchange a host name, so such a record is
+        unusable (:class:`_UnusableExchange`, not looked up as a name), unless the operator
+        opted in (``mx_address_targets``, as Haraka's ``allow_mx_ip``): then that address is
+        used as it is, with a warning, and an unusable address (0.0.0.0, multicast) is not."""
         try:
             ip = unmapped(host)
         except ValueError:
             return await self._addresses(host)
+        if not self._mx_address_targets:
+            why = (
+                f"MX host {host} is an IP address, not a host name (RFC 1035 §3.3.9, RFC 5321 "
+                "§5.1; worker.mx_address_targets uses it)"
+            )
+            return [], _UnusableExchange(_reply(R550_MX_HOST_NOT_FOUND, why), why)
         log.warning("MX host of %s is the address %s, not a name (RFC 5321 §5.1)", domain, host)
         if not _usable(str(ip)):
             why = f"MX host {host} is no remote address"
-            return [], PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, why))
+            return [], _UnusableExchange(_reply(R550_MX_HOST_NOT_FOUND, why), why)
         return [str(ip)], None
 
     async def _addresses(
