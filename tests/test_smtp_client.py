@@ -24,9 +24,14 @@ from jsqueue.delivery import (
     MxTarget,
     deliver,
 )
+from jsqueue.delivery.base import Attempt
+from jsqueue.delivery.deliverer import SmtpDeliverer
+from jsqueue.delivery.resolver import DnsResolver
 from jsqueue.envelope import Entry, Notify, Recipient, RecipientState
 from support.cases import CASES
+from support.dns import DnsServer
 from support.mx import CLOSE, SILENT, Certs, ScriptedMx, Session, SmtpdMx, shared_port
+from support.nats import make_entry
 
 
 def case_file(case: str, name: str) -> bytes:
@@ -1076,6 +1081,44 @@ async def test_shed_quits_the_idle_sessions_asked_for_and_take_is_reported() -> 
         await send_via(cache, "mx.example.test", host, settings, "c@shed.example.test")
         assert mx.connections == 2 and len(taken) == 1  # the idle one was reused
         await cache.close()
+
+
+async def test_a_site_whose_session_is_out_with_a_delivery_keeps_its_cache() -> None:
+    """The deliverer forgets the caches of unused sites past 4 × ``worker.concurrency``
+    sites; a site whose session is out with a delivery is not unused: that session comes
+    back into the site's cache, where the destination limits count it, shed it and QUIT it
+    (a forgotten cache object kept it uncounted and open until its idle time ran out)."""
+    host = "127.0.2.94"
+    port = shared_port([host])
+    domains = [f"d{i}.cache.example.test" for i in range(6)]
+    zone = "".join(f"{d}. 300 IN MX 10 mx.cache.example.test.\n" for d in domains)
+    zone += f"mx.cache.example.test. 300 IN A {host}\n"
+    hold = asyncio.Event()
+    settings = settings_for(port, concurrency=1, connection_cache_s=30.0)
+    with DnsServer(zone) as dns:
+        resolver = DnsResolver(dns.nameservers, port=dns.port, timeout_s=5.0)
+        deliverer = SmtpDeliverer(resolver, settings)
+        body = BodySource.from_bytes(b"Subject: x\r\n\r\nhi\r\n")
+
+        async def send(domain: str) -> Attempt:
+            entry = make_entry(None, domain=domain)
+            return await deliverer.deliver(entry, domain, entry.recipients, body)
+
+        async with ScriptedMx(host, port, hold=hold) as mx:
+            first = asyncio.create_task(send(domains[0]))
+            await mx.wait_for(lambda: mx.held == 1)
+            mx.hold = None  # the others are answered at once
+            for domain in domains[1:]:  # past 4 × concurrency sites: unused ones forgotten
+                assert (await send(domain)).replies
+            hold.set()
+            attempt = await first
+            assert attempt.replies["r0@" + domains[0]].code == 250
+            assert deliverer.idle_sessions(domains[0]) == (1, 0), "counted where it went"
+            deliverer.shed_idle(domains[0], 1)
+            assert deliverer.idle_sessions(domains[0]) == (0, 1)
+            await mx.wait_for(lambda: mx.sessions[0].closed)
+            assert mx.sessions[0].verbs()[-1] == "QUIT"
+            await deliverer.close()
 
 
 @pytest.mark.parametrize("gone", [CLOSE, "421 4.4.2 mx.example.test idle timeout"])

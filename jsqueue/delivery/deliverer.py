@@ -4,6 +4,7 @@ attempt per destination domain, with the outbound sessions kept between deliveri
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
@@ -55,6 +56,8 @@ class SmtpDeliverer:
         self.engine = engine
         self.site_of = site_of or (lambda domain: domain)
         self._caches: dict[str, ConnectionCache] = {}
+        #: deliveries under way per site: their sessions go back into the site's cache
+        self._delivering: Counter[str] = Counter()
         self.signer = DkimSigner.from_settings(settings.dkim)
         #: site -> None, called when an idle session of the site is taken for reuse (set
         #: by the composition to the destination limits', which count idle sessions).
@@ -69,7 +72,7 @@ class SmtpDeliverer:
         cache = self._caches.get(site)
         if cache is None:
             if len(self._caches) > 4 * self.settings.concurrency:  # forget unused sites
-                for name in [n for n, c in self._caches.items() if not c.idle and not c.closing]:
+                for name in [n for n, c in self._caches.items() if self._unused(n, c)]:
                     del self._caches[name]
             cache = self._caches[site] = ConnectionCache(
                 idle_s=self.settings.connection_cache_s,
@@ -80,6 +83,12 @@ class SmtpDeliverer:
                 on_connect=lambda: self.opening(site),
             )
         return cache
+
+    def _unused(self, site: str, cache: ConnectionCache) -> bool:
+        """Whether ``site``'s cache holds no session, idle, closing or out with a delivery
+        under way (that one comes back into this cache object: a forgotten cache would
+        keep it uncounted by the destination limits, never shed nor QUIT)."""
+        return not cache.idle and not cache.closing and not self._delivering[site]
 
     def idle_sessions(self, site: str) -> tuple[int, int]:
         """(sessions kept idle for reuse, idle sessions being closed with QUIT) of ``site``."""
@@ -107,15 +116,22 @@ class SmtpDeliverer:
         """
         # The worker passes the recipients it claimed: the same as the entry's open ones.
         envelope = replace(DeliveryEnvelope.from_entry(entry, domain), recipients=tuple(recipients))
-        result = await deliver_domain(
-            self.resolver,
-            envelope,
-            body,
-            self.settings,
-            self._cache(self.site_of(domain)),
-            engine=self.engine,
-            signer=self.signer,
-        )
+        site = self.site_of(domain)
+        self._delivering[site] += 1
+        try:
+            result = await deliver_domain(
+                self.resolver,
+                envelope,
+                body,
+                self.settings,
+                self._cache(site),
+                engine=self.engine,
+                signer=self.signer,
+            )
+        finally:
+            self._delivering[site] -= 1
+            if not self._delivering[site]:
+                del self._delivering[site]
         return Attempt(
             result.replies,
             result.tried_host,
