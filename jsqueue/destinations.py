@@ -100,7 +100,6 @@ class Destinations:
         self.store = store
         self.max_per_site = max_per_site
         self.settings = settings
-        self.owner = owner
         self.mx_hosts = mx_hosts
         self.clock = clock
         self.shared = SharedSite(store, settings, owner=owner, observer=observer, clock=clock)
@@ -115,6 +114,18 @@ class Destinations:
         self._names: dict[str, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ sites
+
+    @property
+    def owner(self) -> str:
+        """This worker's name, as written into its slots, demand and probes."""
+        return self.shared.owner
+
+    def rename(self, owner: str) -> None:
+        """Use ``owner`` from now on: the worker took another name at its start (a live
+        worker had its own, :func:`jsqueue.store.presence.take_name`), before any slot is
+        taken. Without it two workers of one host would share one demand key, each keeping
+        the whole fair share, and ``dest show`` would name the wrong one."""
+        self.shared.owner = owner
 
     def site_known(self, domain: str) -> str:
         """The site of ``domain`` as last found by :meth:`site_for` (the domain itself when

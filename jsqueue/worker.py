@@ -223,6 +223,8 @@ class Worker:
             self.owner = await presence.take_name(
                 self.stores.presence, self.owner, self.instance, grace_s, self._liveness
             )
+            if self.sites is not None:  # its slots and demand carry the name taken
+                self.sites.rename(self.owner)
 
     async def _presence_beats(self) -> None:
         """Keep our presence alive (every ``presence_grace_s / 3`` seconds)."""
@@ -270,9 +272,7 @@ class Worker:
             await self._process(due, ahead)
             self.handled += 1
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            uncertain = task is not None and dot_sent(task)
-            await asyncio.shield(self._give_back(due, uncertain))
+            await asyncio.shield(self._give_back(due, dot_sent(asyncio.current_task())))
             raise
         except EntryTooLarge as e:
             # A claim, expiry or DSN mark the entry store refuses for its size: retried, it
@@ -685,16 +685,16 @@ class Worker:
                 if marked is not None:
                     v = await self._update(marked, v.revision)
                 if v.entry.is_final:
+                    # Entry first, as recording.py: a crash between leaves an orphan body. A
+                    # DSN entry stays, so a DSN re-enqueued is not sent twice (dsn.notifier).
+                    if not v.entry.is_dsn:
+                        await self.stores.entries.delete(v.entry.id, revision=v.revision)
                     if v.entry.inline_body is None:
                         await self.stores.bodies.delete(v.entry.id)
-                    if v.entry.is_dsn:
-                        # A final DSN entry stays (without body) so that a DSN re-enqueued
-                        # after a crash finds it and is not sent twice (jsqueue.dsn.notifier);
-                        # the reconciler removes it after its retention.
-                        log.info("queue %s: DSN done, body removed, entry kept", v.entry.id)
-                    else:
-                        await self.stores.entries.delete(v.entry.id, revision=v.revision)
-                        log.info("queue %s: done, removed", v.entry.id)
+                    how = (
+                        "DSN done, body removed, entry kept" if v.entry.is_dsn else "done, removed"
+                    )
+                    log.info("queue %s: %s", v.entry.id, how)
                 return
             except RevisionConflict:
                 continue

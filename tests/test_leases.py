@@ -151,6 +151,25 @@ async def test_a_lease_of_a_process_that_restarted_under_its_name_is_taken_over_
     assert "lease of a dead worker pod-a taken over" in line and "reached DATA" in line
 
 
+async def test_a_worker_that_took_another_name_holds_its_sites_under_it(
+    queue_harness: Harness,
+) -> None:
+    """A worker whose name a live worker uses runs as ``<name>-<random>``; its destination
+    limits (slots, demand, probes) carry that name too, not the one it was built with:
+    two workers of one host would otherwise share one demand key, each keeping the whole
+    fair share, and ``dest show`` would name the wrong one."""
+    h = queue_harness
+    configure(h)
+    presence = h.stores.presence
+    assert presence is not None
+    await presence.beat("pod-a", "a-live-process", LEASE_S)
+    w = h.worker(owner="pod-a")
+    await w.take_name()
+    assert w.owner.startswith("pod-a-")
+    assert w.sites is not None
+    assert w.sites.owner == w.sites.shared.owner == w.owner
+
+
 async def test_live_workers_lease_is_never_taken(queue_harness: Harness) -> None:
     """A second worker started with the name of a live one runs under a suffixed name;
     neither it nor a flush takes the live worker's lease; the message is sent once."""

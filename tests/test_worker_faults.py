@@ -160,6 +160,57 @@ async def test_restart_mid_delivery_case14(
     assert after.last_attempt_at >= before.next_attempt_at
 
 
+async def test_a_crash_between_the_removals_never_leaves_an_entry_without_its_body(
+    queue_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message settled with a bounce (its DSN queued) is removed entry first, then body,
+    as the fast path removes a delivered one (one order): a worker killed between the two
+    leaves an orphan body for the reconciler's sweep, never an entry without its body."""
+    h = queue_harness
+    h.dns.add(
+        "bounce.example.test. 300 IN MX 10 mx.bounce.example.test.\n"
+        "mx.bounce.example.test. 300 IN A 127.0.5.22\n" + SENDER_ZONE
+    )
+    rcpt = "gone@bounce.example.test"
+    w1 = h.worker()
+    crashed = asyncio.Event()
+    ids: list[str] = []
+    removals: list[str] = []
+
+    def crash_at_the_second_removal(store: Any, kind: str) -> None:
+        original = store.delete
+
+        async def delete(queue_id: str, *args: Any, **kwargs: Any) -> Any:
+            if queue_id in ids and not crashed.is_set():
+                removals.append(kind)
+                if len(removals) == 2:
+                    crashed.set()
+                    raise Crash(f"before the {kind} removal")
+            return await original(queue_id, *args, **kwargs)
+
+        monkeypatch.setattr(store, "delete", delete)
+
+    crash_at_the_second_removal(w1.stores.entries, "entry")
+    crash_at_the_second_removal(w1.stores.bodies, "body")
+    async with (
+        SmtpdMx("127.0.5.22", h.mx_port, rcpt_replies={rcpt: "550 5.1.1 no such user"}),
+        SmtpdMx("127.0.2.1", h.mx_port) as sender_mx,
+    ):
+        qid = await h.submit(case_message("CASE-07"), [rcpt])
+        ids.append(qid)
+        stop = asyncio.Event()
+        task = asyncio.create_task(w1.run(stop))
+        await asyncio.wait_for(crashed.wait(), 20)
+        await kill(task, w1, stop)
+        assert removals == ["entry", "body"]
+        assert await h.entry(qid) is None
+        assert (await h.stores.bodies.info(qid)).size > 0, "an orphan body, for the sweep"
+        async with h.running():
+            await eventually(lambda: len(sender_mx.delivered) == 1, 20, what="the DSN")
+        assert await h.entry(qid) is None
+    assert [t.mail_from for t in sender_mx.delivered] == [""]
+
+
 @pytest.mark.parametrize(
     ("kill_point", "inline_max"),
     [("before body delete", 0), ("before ack", 0), ("before ack", 128 * 1024)],

@@ -26,7 +26,7 @@ def mark_dot_sent() -> None:
         _MARKED.add(task)
 
 
-def dot_sent(task: asyncio.Task[Any]) -> bool:
-    """Whether ``task`` sent a final dot in its delivery (:func:`mark_dot_sent`). Pure
-    read."""
-    return task in _MARKED
+def dot_sent(task: asyncio.Task[Any] | None) -> bool:
+    """Whether ``task`` (None: no task, False) sent a final dot in its delivery
+    (:func:`mark_dot_sent`). Pure read."""
+    return task is not None and task in _MARKED

@@ -168,14 +168,6 @@ def _stub(
     return resolver
 
 
-class _UnusableExchange(PermanentDeliveryError):
-    """An MX record whose exchange cannot be used at all (``why`` says which and why)."""
-
-    def __init__(self, reply: Reply, why: str) -> None:
-        super().__init__(reply)
-        self.why = why
-
-
 class DnsResolver:
     """MX resolution with dnspython's asyncio stub resolver (RFC 5321 §5.1, RFC 7505).
 
@@ -282,7 +274,7 @@ class DnsResolver:
         hosts = self._order([(pref, host) for pref, host in mx if host not in ("", ".")])
         targets: list[MxTarget] = []
         last_error: TemporaryDeliveryError | None = None
-        unusable: list[str] = []  # MX hosts that cannot be used at all, and why
+        unusable: list[str] = []  # why MX hosts cannot be used at all
         for pref, host in hosts:
             if len(targets) >= self._max and (not self._own or pref != targets[-1].preference):
                 break  # (with own_addresses: this queue may be in the last preference)
@@ -290,8 +282,10 @@ class DnsResolver:
             if error is not None:
                 log.warning("MX host %s of %s: %s", host, name, error.reply.text)
                 last_error = error if isinstance(error, TemporaryDeliveryError) else last_error
-                if isinstance(error, _UnusableExchange):
-                    unusable.append(error.why)
+                if isinstance(error, PermanentDeliveryError):
+                    unusable.append(
+                        error.reply.text.removeprefix(f"{R550_MX_HOST_NOT_FOUND.text}: ")
+                    )
             for address in addresses:
                 if all(t.address != address for t in targets):
                     targets.append(MxTarget(host=host, address=address, preference=pref))
@@ -300,9 +294,7 @@ class DnsResolver:
             return targets[: self._max] + me[:1]
         if last_error is not None:
             raise last_error
-        why = f"no MX host of {name} has an address"
-        if unusable:
-            why = f"no usable MX host of {name}: {'; '.join(unusable)}"
+        why = f"no usable MX host of {name}: {'; '.join(unusable) or 'none has an address'}"
         raise PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, why))
 
     def _order(self, mx: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -379,7 +371,7 @@ class DnsResolver:
     ) -> tuple[list[str], TemporaryDeliveryError | PermanentDeliveryError | None]:
         """:meth:`_addresses` of an MX host, except one written as an IP address: RFC 1035
         §3.3.9 and RFC 5321 §5.1 make the exchange a host name, so such a record is
-        unusable (:class:`_UnusableExchange`, not looked up as a name), unless the operator
+        unusable (a permanent error naming it, not looked up as a name), unless the operator
         opted in (``mx_address_targets``, as Haraka's ``allow_mx_ip``): then that address is
         used as it is, with a warning, and an unusable address (0.0.0.0, multicast) is not."""
         try:
@@ -391,11 +383,11 @@ class DnsResolver:
                 f"MX host {host} is an IP address, not a host name (RFC 1035 §3.3.9, RFC 5321 "
                 "§5.1; worker.mx_address_targets uses it)"
             )
-            return [], _UnusableExchange(_reply(R550_MX_HOST_NOT_FOUND, why), why)
+            return [], PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, why))
         log.warning("MX host of %s is the address %s, not a name (RFC 5321 §5.1)", domain, host)
         if not _usable(str(ip)):
             why = f"MX host {host} is no remote address"
-            return [], _UnusableExchange(_reply(R550_MX_HOST_NOT_FOUND, why), why)
+            return [], PermanentDeliveryError(_reply(R550_MX_HOST_NOT_FOUND, why))
         return [str(ip)], None
 
     async def _addresses(
