@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import nats
 import nats.errors
 import pytest
 
@@ -31,6 +32,7 @@ from jsqueue.reconciler import Reconciler, open_reconciler
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import open_jetstream
 from jsqueue.store.jetstream.entries import JetStreamEntryStore
+from jsqueue.store.jetstream.lock import JetStreamLock
 from support.cluster import CountingMx, JsqueueProc, Load, free_port, jsqueue_env, send_load
 from support.dns import DnsServer
 from support.mx import SILENT, shared_port
@@ -319,6 +321,28 @@ async def test_writes_ride_out_the_loss_of_the_stream_leader(
     assert sorted(i.queue_id for i in got) == sorted(ids), "each work item stored once"
     assert await cluster_stores.scheduler.fetch(100, 0.5) == []
     print(f"\nwrites begun at the kill finished {took:.1f} s later")
+    await nats_cluster.node(victim).start()
+
+
+async def test_a_ttl_bucket_is_provisioned_across_the_election_of_its_leader(
+    nats_cluster: EmbeddedCluster, cluster_settings: NatsSettings, names: Names
+) -> None:
+    """A worker starting while the node leading its lock (or presence, destinations,
+    MTA-STS) bucket was just killed waits out the election instead of exiting: one such
+    worker stopped with "STREAM.INFO.KV_…-locks: nats: timeout" in a fault soak."""
+    nc = await nats.connect(servers=list(cluster_settings.urls), max_reconnect_attempts=-1)
+    try:
+        lock = JetStreamLock(nc, names, ttl_s=30.0, replicas=3, timeout_s=1.0)
+        await lock.provision()
+        victim = await nats_cluster.stream_leader(names.locks_stream)
+        nats_cluster.node(victim).kill()
+        started = time.monotonic()
+        await JetStreamLock(nc, names, ttl_s=30.0, replicas=3, timeout_s=1.0).provision()
+        took = time.monotonic() - started
+        assert await nats_cluster.stream_leader(names.locks_stream) != victim
+        print(f"\nlock bucket provisioned {took:.1f} s after its leader's kill")
+    finally:
+        await nc.close()
     await nats_cluster.node(victim).start()
 
 

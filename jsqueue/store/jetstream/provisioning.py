@@ -418,7 +418,8 @@ async def ensure_ttl_bucket(
 
     Raises:
         ProvisioningError: the server refused to create or update it.
-        StoreUnavailable: NATS is not reachable.
+        StoreUnavailable: NATS is not reachable, or the stream had no leader for
+            :data:`PLACEMENT_WAIT_S` seconds.
     """
     wanted: dict[str, Any] = {
         "name": stream,
@@ -435,13 +436,15 @@ async def ensure_ttl_bucket(
     }
     if max_age_s is not None:
         wanted["max_age"] = int(max_age_s * 1_000_000_000)
+    # Every request waits out a cluster electing the stream's leader (a node lost while a
+    # worker starts) as provision() does: a worker that stopped on it was a crash loop.
     try:
-        info = await api_request(nc, f"STREAM.INFO.{stream}", None, timeout_s)
+        info = await _api_waiting(nc, f"STREAM.INFO.{stream}", None, timeout_s)
     except ApiError as e:
         if e.code != 404:
             raise ProvisioningError(f"stream {stream}: {e}") from e
         try:
-            await api_request(nc, f"STREAM.CREATE.{stream}", wanted, timeout_s)
+            await _api_waiting(nc, f"STREAM.CREATE.{stream}", wanted, timeout_s)
             return
         except ApiError as ce:
             if ce.err_code == ErrCode.STREAM_NAME_IN_USE:  # created concurrently
@@ -452,7 +455,7 @@ async def ensure_ttl_bucket(
         "max_age" in wanted and config.get("max_age") != wanted["max_age"]
     ):
         try:
-            await api_request(nc, f"STREAM.UPDATE.{stream}", {**config, **wanted}, timeout_s)
+            await _api_waiting(nc, f"STREAM.UPDATE.{stream}", {**config, **wanted}, timeout_s)
         except ApiError as e:
             raise ProvisioningError(f"stream {stream}: cannot update: {e}") from e
 
