@@ -62,9 +62,9 @@ from nemesis_report import (  # noqa: E402  (bench/ is put on the path just abov
     Fault,
     Summary,
     check_clients,
-    check_deferrals,
     check_faults,
     check_sink,
+    check_worker_logs,
     count_refusals_with_quorum,
     explain_duplicates,
     read_log,
@@ -178,7 +178,6 @@ class Fleet:
     smtp_ports: list[int]
     prefix: str
     nodes_up: dict[str, bool] = field(default_factory=dict)
-    paused: set[str] = field(default_factory=set)
 
     @classmethod
     def build(cls, cluster: EmbeddedCluster, settings: Settings, base: Path) -> Fleet:
@@ -258,9 +257,11 @@ class Nemesis:
             kind = rng.choices(["nats-kill", "nats-kill-leader", "nats-pause"], [2, 2, 3])[0]
             if kind == "nats-pause":
                 await self._pause_node(rng.randint(1, 3), rng.uniform(6.0, 12.0))
+            elif kind == "nats-kill":
+                await self._kill_node(kind, rng.randint(1, 3), rng.uniform(3.0, 12.0))
             else:
-                node = rng.randint(1, 3) if kind == "nats-kill" else await self._leader(rng)
-                await self._kill_node(kind, node, rng.uniform(3.0, 12.0))
+                node, led = await self._leader(rng)
+                await self._kill_node(kind, node, rng.uniform(3.0, 12.0), f"leader of {led}")
 
     async def process_track(self) -> None:
         """Worker and front end faults, one at a time."""
@@ -277,24 +278,24 @@ class Nemesis:
 
     # ------------------------------------------------------------------ NATS faults
 
-    async def _leader(self, rng: random.Random) -> int:
-        """The node leading a random one of the queue's streams (or the workers'
-        consumer); a random node when no leader is known."""
+    async def _leader(self, rng: random.Random) -> tuple[int, str]:
+        """The node leading a random one of the queue's streams or the workers' consumer,
+        and which; a random node when no leader is known."""
         cluster, names = self.fleet.cluster, self.names
-        what = rng.choice(["work", "entries", "bodies", "consumer"])
+        stream = rng.choice([names.work_stream, names.entries_stream, names.bodies_stream, ""])
         try:
-            if what == "consumer":
-                leader = await cluster.consumer_leader(names.work_stream, names.work_consumer, 5)
+            if stream:
+                leader = await cluster.stream_leader(stream, 5.0)
             else:
-                streams = {"work": names.work_stream, "entries": names.entries_stream}
-                leader = await cluster.stream_leader(streams.get(what, names.bodies_stream), 5)
+                stream = f"{names.work_stream}/{names.work_consumer}"
+                leader = await cluster.consumer_leader(names.work_stream, names.work_consumer, 5.0)
         except JsqueueError:
-            return rng.randint(1, 3)
-        return int(leader.removeprefix(SERVER_NAME_PREFIX))
+            return rng.randint(1, 3), f"{stream} (unknown: a random node)"
+        return int(leader.removeprefix(SERVER_NAME_PREFIX)), stream
 
-    async def _kill_node(self, kind: str, node: int, down_s: float) -> None:
+    async def _kill_node(self, kind: str, node: int, down_s: float, detail: str = "") -> None:
         name = server_name(node)
-        fault = self._note(kind, name)
+        fault = self._note(kind, name, detail)
         self.fleet.nodes_up[name] = False
         self.fleet.cluster.node(node).kill()
         await asyncio.sleep(down_s)
@@ -312,13 +313,11 @@ class Nemesis:
         if pid is None:
             return
         fault = self._note("nats-pause", name, f"{paused_s:.1f} s")
-        self.fleet.paused.add(name)
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(paused_s)
         finally:
             os.kill(pid, signal.SIGCONT)
-            self.fleet.paused.discard(name)
         fault.back_at = time.monotonic()
 
     # ------------------------------------------------------------------ process faults
@@ -489,7 +488,7 @@ def report(
     resent = resent_messages(loads, recipient)
     wall_offset_s = time.time() - time.monotonic()
     explain_duplicates(summary, copies, nemesis.faults, logs, worker_of, resent, wall_offset_s)
-    check_deferrals(summary, logs)
+    check_worker_logs(summary, logs)
     return summary
 
 

@@ -26,7 +26,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,10 @@ from support.cluster import CountingMx, Load
 RECORD_WINDOW_S = 30.0
 #: Wall clock against monotonic clock: a log line may be stamped this much earlier, seconds.
 CLOCK_SLACK_S = 0.5
+#: The sink stamps a copy when its event loop gets to it, which on a loaded box can be
+#: seconds after the worker wrote the final dot: a worker killed up to this long before a
+#: copy's stamp may still have sent it, seconds.
+SINK_LAG_S = 5.0
 #: Fault kinds that stop a worker (its unrecorded deliveries are sent again).
 WORKER_STOPS = ("worker-kill", "worker-term")
 #: A worker's message: an attempt's outcome was not written to the queue.
@@ -129,6 +133,8 @@ class Summary:
     latency_p50_s: float | None = None
     latency_p99_s: float | None = None
     latency_max_s: float | None = None
+    age_at_delivery_p50_s: float | None = None
+    age_at_delivery_p99_s: float | None = None
     drain_s: float | None = None
     self_deaths: list[dict[str, Any]] = field(default_factory=list)
 
@@ -171,7 +177,9 @@ class Summary:
             f"deferrals; logged 'attempt not recorded' {self.unrecorded_lines}, "
             f"'store unavailable' {self.store_unavailable_lines}",
             f"250 -> delivered latency: p50 {_s(self.latency_p50_s)}, "
-            f"p99 {_s(self.latency_p99_s)}, max {_s(self.latency_max_s)}",
+            f"p99 {_s(self.latency_p99_s)}, max {_s(self.latency_max_s)}; as the workers "
+            f"logged it: p50 {_s(self.age_at_delivery_p50_s)}, "
+            f"p99 {_s(self.age_at_delivery_p99_s)}",
             f"drain after the faults: {_s(self.drain_s)}",
             f"processes dead by themselves: {len(self.self_deaths)}",
         ]
@@ -311,7 +319,8 @@ def explain_duplicates(
                 stored_twice -= 1
                 why = f"stored twice: the client resent after a {resent[rcpt]}"
             if why is None:
-                summary.duplicates_unexplained.append(f"{rcpt} by {worker} at {at:.1f}")
+                when = datetime.fromtimestamp(at + wall_offset_s, UTC).isoformat()
+                summary.duplicates_unexplained.append(f"{rcpt} by {worker} at {when}")
             else:
                 summary.duplicates_explained[why] = summary.duplicates_explained.get(why, 0) + 1
 
@@ -338,7 +347,8 @@ def _why_copy(
     """Why a copy sent by ``worker`` at ``at`` (``wall`` in wall time; the worker's log
     ``lines`` for the recipient) was sent again, or None."""
     for f in faults:
-        if f.kind in WORKER_STOPS and f.target == worker and 0 <= f.at - at <= RECORD_WINDOW_S:
+        stop = f.kind in WORKER_STOPS and f.target == worker
+        if stop and -SINK_LAG_S <= f.at - at <= RECORD_WINDOW_S:
             logged = any(
                 line.fields.get("outcome") == "delivered" and line.wall <= f.wall for line in lines
             )
@@ -363,10 +373,17 @@ def _failed_record(line: LogLine) -> bool:
 # --------------------------------------------------------------------------- deferrals
 
 
-def check_deferrals(summary: Summary, logs: list[LogLine]) -> None:
+def check_worker_logs(summary: Summary, logs: list[LogLine]) -> None:
     """Deferrals (the sink always accepts: every one is the queue's doing), those for the
-    queue's own store (4.3.0, body not found, store unavailable) and the attempts the
-    workers could not record."""
+    queue's own store (4.3.0, body not found, store unavailable), the attempts the workers
+    could not record, and the age of each message when a worker logged its delivery."""
+    ages = [
+        float(line.fields["delay_s"])
+        for line in logs
+        if line.fields.get("outcome") == "delivered" and "delay_s" in line.fields
+    ]
+    summary.age_at_delivery_p50_s = percentile(ages, 0.50)
+    summary.age_at_delivery_p99_s = percentile(ages, 0.99)
     for line in logs:
         fields = line.fields
         message = fields.get("message", "")
@@ -386,7 +403,7 @@ def check_faults(summary: Summary, faults: list[Fault], deaths: list[Death], t0:
     """The journal and the self-deaths, times relative to the load's start."""
     summary.fault_counts = dict(Counter(f.kind for f in faults))
     for f in faults:
-        row = asdict(f)
+        row = {"time": datetime.fromtimestamp(f.wall, UTC).isoformat(), **asdict(f)}
         row["at"] = round(f.at - t0, 2)
         row["back_at"] = None if f.back_at is None else round(f.back_at - t0, 2)
         summary.faults.append(row)
