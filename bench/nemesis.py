@@ -383,7 +383,11 @@ def work_directory(given: Path | None) -> Iterator[Path]:
 
 
 async def run(args: argparse.Namespace) -> Summary:
-    """Set up, load and hit the fleet, drain, check; everything is killed on the way out."""
+    """Set up, load and hit the fleet, drain, check; everything is killed on the way out
+    (also on SIGTERM, which cancels the run as Ctrl-C does)."""
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     with work_directory(args.workdir) as base, DnsServer(ZONE) as dns:
         cluster = EmbeddedCluster(base / "cluster", 3, client_port=0)
         fleet: Fleet | None = None
@@ -521,7 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"nemesis: seed {args.seed}, {args.duration:g} s of faults, {args.rate:g} msg/s", flush=True
     )
-    summary = asyncio.run(run(args))
+    try:
+        summary = asyncio.run(run(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("stopped before the end; every process was killed")
+        return 130
     for line in summary.lines():
         print(line)
     if args.json is not None:

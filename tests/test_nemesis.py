@@ -5,8 +5,9 @@ Nothing acknowledged may be lost, no process may die by itself, and every duplic
 sink must be explained by a worker stopped between the MX's 250 and its record (or logged
 as unrecorded by the worker). Refusals and store-trouble deferrals are reported, not
 asserted (``--strict`` enforces them). The seed is random unless ``NEMESIS_SEED`` is set;
-it is in the failure message, and the soak's work directory (logs, stores) is kept in the
-test's temporary directory.
+it is in the failure message. The soak's figures and JSON summary are kept in
+``bench/results/`` (not committed; pytest's temporary directories, where the logs and stores
+are, are removed after a few later runs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "nemesis.py"
+RESULTS = BENCH.parent / "results"
 DURATION_S = 180
 DRAIN_TIMEOUT_S = 120
 
@@ -30,7 +32,10 @@ pytestmark = pytest.mark.serial
 @pytest.mark.timeout(DURATION_S + DRAIN_TIMEOUT_S + 180)
 async def test_nemesis_soak(tmp_path: Path) -> None:
     seed = int(os.environ.get("NEMESIS_SEED") or random.randrange(2**31))
-    summary_file, output = tmp_path / "summary.json", tmp_path / "nemesis.out"
+    RESULTS.mkdir(exist_ok=True)
+    summary_file = RESULTS / f"nemesis-test-{seed}.json"
+    output = RESULTS / f"nemesis-test-{seed}.out"
+    summary_file.unlink(missing_ok=True)
     with output.open("wb") as out:
         soak = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -40,7 +45,12 @@ async def test_nemesis_soak(tmp_path: Path) -> None:
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
         )
-        status = await soak.wait()
+        try:
+            status = await soak.wait()
+        finally:
+            if soak.returncode is None:  # the test was cut short: the soak kills its fleet
+                soak.terminate()
+                await asyncio.wait_for(soak.wait(), 30)
     text = output.read_text(errors="replace")
     print(f"\n{text}")
     assert summary_file.exists(), f"seed {seed}: no summary (exit status {status})\n{text}"
