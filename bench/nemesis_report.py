@@ -25,6 +25,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -257,7 +258,7 @@ def check_sink(
     summary: Summary,
     loads: dict[str, Load],
     mx: CountingMx,
-    recipient: Any,
+    recipient: Callable[[int], str],
 ) -> dict[str, list[tuple[float, str]]]:
     """Lost messages and the 250 -> first arrival latency; returns every copy per
     recipient as (arrival, sending client's EHLO name), in arrival order. ``recipient``
@@ -325,7 +326,7 @@ def explain_duplicates(
                 summary.duplicates_explained[why] = summary.duplicates_explained.get(why, 0) + 1
 
 
-def resent_messages(loads: dict[str, Load], recipient: Any) -> dict[str, str]:
+def resent_messages(loads: dict[str, Load], recipient: Callable[[int], str]) -> dict[str, str]:
     """Recipient -> why its message was sent again ("lost connection" or "4xx"; the
     first such try), for every message tried more than once."""
     why: dict[str, str] = {}
