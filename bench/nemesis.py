@@ -230,14 +230,15 @@ def ehlo_name(worker: int) -> str:
 
 
 class Nemesis:
-    """Two tracks of faults (NATS nodes; jsqueue processes) until ``until`` (monotonic),
-    a journal of what was done, and a watch for processes that die by themselves."""
+    """Two tracks of faults (NATS nodes; jsqueue processes) from ``t0`` until ``until``
+    (monotonic), a journal of what was done, and a watch for processes that die by
+    themselves."""
 
-    def __init__(self, fleet: Fleet, names: Names, seed: int, until: float) -> None:
+    def __init__(self, fleet: Fleet, names: Names, seed: int, t0: float, until: float) -> None:
         self.fleet = fleet
         self.names = names
+        self.t0 = t0
         self.until = until
-        self.t0 = time.monotonic()
         self.nats_rng = random.Random(f"{seed}-nats")
         self.proc_rng = random.Random(f"{seed}-processes")
         self.faults: list[Fault] = []
@@ -407,7 +408,7 @@ async def run(args: argparse.Namespace) -> Summary:
 async def soak(args: argparse.Namespace, fleet: Fleet, mx: CountingMx, base: Path) -> Summary:
     """The load and the faults for ``args.duration`` s, the drain, the figures."""
     t0 = time.monotonic()
-    nemesis = Nemesis(fleet, Names(fleet.prefix), args.seed, until=t0 + args.duration)
+    nemesis = Nemesis(fleet, Names(fleet.prefix), args.seed, t0, until=t0 + args.duration)
     loads = {s.name: Load() for s in fleet.frontends}
     stop_watch = asyncio.Event()
     watching = asyncio.create_task(nemesis.watch(stop_watch))
