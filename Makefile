@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest tools e2e bench bench-ingest clean cluster
+.PHONY: install run test lint typecheck pytest tools e2e bench bench-ingest nemesis clean cluster
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ bench: install tools
 
 bench-ingest: install
 	$(BIN)/python bench/ingest.py
+
+# The randomized fault soak on a three-node cluster (bench/README.md, "Fault soak"): NATS
+# nodes killed and paused, workers and front ends killed, under load; then the checker.
+# E.g. make nemesis NEMESIS_ARGS="--duration 600 --seed 7 --strict". Three minutes of it
+# are part of `make pytest` (tests/test_nemesis.py, serial).
+nemesis: install
+	$(BIN)/python bench/nemesis.py $(NEMESIS_ARGS)
 
 clean:
 	rm -rf $(VENV) data build *.egg-info

@@ -342,6 +342,43 @@ class EmbeddedCluster:
         info = await self._ask(f"CONSUMER.INFO.{stream}.{consumer}", timeout_s, what)
         return str(info["cluster"]["leader"])
 
+    async def lagging_replicas(self, timeout_s: float = 10.0) -> list[str]:
+        """The replicas not current, as ``<stream>@<server name>``: a node restarted or
+        resumed that has not caught up with its streams' leaders yet (or is offline).
+
+        Raises:
+            JsqueueError: the stream names, or a stream's leader, not known within
+                ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        names = await self._ask("STREAM.NAMES", timeout_s, "stream names")
+        lagging: list[str] = []
+        for stream in names.get("streams") or []:
+            left = max(0.1, deadline - time.monotonic())
+            info = await self._ask(f"STREAM.INFO.{stream}", left, "replicas of " + stream)
+            for peer in info["cluster"].get("replicas") or []:
+                if not peer.get("current"):
+                    lagging.append(f"{stream}@{peer.get('name')}")
+        return lagging
+
+    async def wait_for_replicas(self, timeout_s: float = 60.0) -> None:
+        """Wait until every replica of every stream is current (:meth:`lagging_replicas`
+        is empty): after a node came back, the cluster can lose another one without
+        losing its quorum.
+
+        Raises:
+            JsqueueError: replicas still lagging (named) after ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lagging = await self.lagging_replicas(max(1.0, deadline - time.monotonic()))
+            if not lagging:
+                return
+            if time.monotonic() > deadline:
+                shown = ", ".join(lagging[:5])
+                raise JsqueueError(f"replicas not current within {timeout_s:g} s: {shown}")
+            await asyncio.sleep(0.2)
+
     async def move_leader(
         self, stream: str, to: str, *, consumer: str | None = None, timeout_s: float = 30.0
     ) -> None:

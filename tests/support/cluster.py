@@ -14,9 +14,9 @@ Helpers:
 - :class:`JsqueueProc`: ``python -m jsqueue <command>`` as a child process: waits on its
   log without blocking the event loop, SIGTERM (drain) or SIGKILL (crash).
 - :class:`CountingMx`: a sink MX (a :class:`~support.mx.ScriptedMx` in sink mode) that
-  records when each recipient arrived.
+  records when each recipient arrived, and from which client (its EHLO name).
 - :func:`send_load`: several concurrent SMTP clients sending numbered messages, retrying
-  after a 4xx or a lost connection, recording every attempt.
+  after a 4xx or a lost connection, recording every attempt; at full speed or paced.
 """
 
 from __future__ import annotations
@@ -191,19 +191,35 @@ class JsqueueProc:
 class CountingMx(ScriptedMx):
     """A sink MX (content hashed, not kept) that answers every message with ``reply`` and
     records ``(monotonic time, recipient)`` per recipient: in ``arrivals`` when the reply
-    is 2xx, in ``refusals`` otherwise. ``reply`` may be changed at any time."""
+    is 2xx, in ``refusals`` otherwise. ``reply`` may be changed at any time.
+
+    ``accepted`` keeps ``(monotonic time, transaction)`` of every 2xx transaction;
+    :meth:`client_names` tells which client (EHLO name) sent each."""
 
     def __init__(self, host: str, port: int, reply: str = "250 2.0.0 ok", **kw: Any) -> None:
         super().__init__(host, port, keep_data=False, end_of_data=self._answer, **kw)
         self.reply = reply
         self.arrivals: list[tuple[float, str]] = []
         self.refusals: list[tuple[float, str]] = []
+        self.accepted: list[tuple[float, Transaction]] = []
 
     def _answer(self, tx: Transaction) -> str:
         now = time.monotonic()
         into = self.arrivals if self.reply.startswith("2") else self.refusals
         into.extend((now, r.lower()) for r in tx.rcpt_to)
+        if self.reply.startswith("2"):
+            self.accepted.append((now, tx))
         return self.reply
+
+    def client_names(self) -> dict[int, str]:
+        """The EHLO (or HELO) name of the session of each transaction, by ``id(tx)``
+        (``""`` when the session sent none)."""
+        names: dict[int, str] = {}
+        for session in self.sessions:
+            greetings = [c for c in session.commands if c[:5].upper() in ("EHLO ", "HELO ")]
+            name = greetings[-1][5:].strip().lower() if greetings else ""
+            names.update((id(tx), name) for tx in session.transactions)
+        return names
 
     def copies(self) -> dict[str, int]:
         """How many times each recipient arrived."""
@@ -266,6 +282,7 @@ async def send_load(
     retry_pause_s: float = 0.5,
     max_tries: int = 60,
     timeout_s: float = 60.0,
+    rate_per_s: float | None = None,
     load: Load | None = None,
 ) -> Load:
     """Send messages ``first`` .. ``first + count - 1`` (about ``size`` octets each) over
@@ -273,12 +290,15 @@ async def send_load(
 
     A message is retried (new session after a broken one) until it gets a 250 or
     ``max_tries`` tries failed; every try is recorded, so a caller sees 451s and unknown
-    outcomes (no reply) too.
+    outcomes (no reply) too. With ``rate_per_s``, message ``first + n`` is not begun before
+    ``n / rate_per_s`` seconds after the call (a steady load; clients held up by retries
+    catch up afterwards); without it, messages go as fast as the clients send.
     """
     load = load or Load()
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in range(first, first + count):
         todo.put_nowait(i)
+    began = time.monotonic()
 
     async def client() -> None:
         smtp: aiosmtplib.SMTP | None = None
@@ -287,6 +307,8 @@ async def send_load(
                 index = todo.get_nowait()
             except asyncio.QueueEmpty:
                 break
+            if rate_per_s:
+                await asyncio.sleep(began + (index - first) / rate_per_s - time.monotonic())
             rcpt, data = load_message(index, domain, size)
             for _ in range(max_tries):
                 if smtp is None or not smtp.is_connected:
