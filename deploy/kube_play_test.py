@@ -29,13 +29,13 @@ failed check. ``JSQUEUE_DEPLOY_TEST=skip`` skips the test (machines without root
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import email
 import functools
 import json
 import os
-import secrets as random_secrets
 import shutil
 import signal
 import smtplib
@@ -374,10 +374,10 @@ def objects_to_play(password: str) -> tuple[list[Obj], dict[str, Obj], list[str]
     Raises:
         DeployError: a pod has no address in ADDRESSES.
     """
-    rendered = [d for d in yaml.safe_load_all(run(KUBECTL, "kustomize", manifests.K8S).stdout)]
+    rendered = run(KUBECTL, "kustomize", manifests.K8S).stdout
     secrets = manifests.secrets(password)
     jsqueue, skipped = manifests.jsqueue_objects(
-        [d for d in rendered if d], IMAGE, secrets, FILES / "secret-volumes"
+        [doc for doc in yaml.safe_load_all(rendered) if doc], IMAGE, secrets, FILES / "secrets"
     )
     values = yaml.safe_load((manifests.K8S / "nats-values.yaml").read_text())
     objects = [
@@ -754,7 +754,9 @@ def deploy_and_check(failures: list[str]) -> None:
     with step("build image"):
         build_image()
     with step("render k8s/, kube play") as note:
-        objects, secrets, skipped = objects_to_play(random_secrets.token_urlsafe(24))
+        # As k8s/README.md makes it (openssl rand -base64 32): NATS parses the password.
+        password = base64.b64encode(os.urandom(32)).decode()
+        objects, secrets, skipped = objects_to_play(password)
         cluster = Cluster.of(objects)
         play(objects, secrets)
         note.append(f"{len(cluster.pods)} pods")
