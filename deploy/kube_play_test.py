@@ -19,7 +19,7 @@
    250 reaches the sink once and in time, the probe endpoints answer, the killed
    containers come back (podman's restart policy from the pods' restartPolicy).
 6. Everything made is removed by name, also at the start after an interrupted run; the
-   base image stays (the cache).
+   base image stays (the cache), and so does the pause image podman builds for its pods.
 
 Traffic stays on this machine: the host talks to the pods over the podman bridge (checked
 before the first packet), the pods' DNS is their own loopback and nothing is configured to
