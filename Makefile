@@ -7,7 +7,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest tools e2e bench bench-ingest nemesis clean cluster
+.PHONY: install run test lint typecheck pytest deploy-test tools e2e bench bench-ingest nemesis \
+  clean cluster
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,8 +48,8 @@ cluster: install
 	$(BIN)/jsqueue nats --cluster
 
 lint: install
-	$(BIN)/ruff check jsqueue tests bench
-	$(BIN)/ruff format --check jsqueue tests bench
+	$(BIN)/ruff check jsqueue tests bench deploy
+	$(BIN)/ruff format --check jsqueue tests bench deploy
 	$(BIN)/lint-imports
 
 typecheck: install
@@ -60,7 +61,17 @@ pytest: install tools
 	@rc=0; $(BIN)/pytest -q -n 3 -m "not serial" || rc=$$?; \
 	$(BIN)/pytest -q -m serial || rc=$$?; exit $$rc
 
-test: lint typecheck pytest
+# The image and k8s/ played for real (deploy/kube_play_test.py, root): podman, runc and
+# debootstrap installed when missing, a base image made with debootstrap (no registry; cached
+# under /var/tmp/jsqueue-deploy), the Dockerfile built, k8s/ played with `podman kube play`
+# beside a three-node NATS cluster, kill -9 of a NATS server, a worker and a front end.
+deploy-test: install
+	$(BIN)/python deploy/kube_play_test.py
+
+# pytest and the deployment test both run; `make test` fails when either fails.
+test: lint typecheck
+	@rc=0; $(MAKE) --no-print-directory pytest || rc=$$?; \
+	$(MAKE) --no-print-directory deploy-test || rc=$$?; exit $$rc
 
 # End to end with real mail software: swaks -> jsqueue (CLI) -> Postfix MX -> Maildir,
 # and with OpenDKIM as the MX's milter verifying jsqueue's DKIM signatures.
