@@ -68,10 +68,11 @@ pytest: install tools
 deploy-test: install
 	$(BIN)/python deploy/kube_play_test.py
 
-# pytest and the deployment test both run; `make test` fails when either fails.
+# The deployment test and pytest both run (pytest last: its summary closes the output);
+# `make test` fails when either fails.
 test: lint typecheck
-	@rc=0; $(MAKE) --no-print-directory pytest || rc=$$?; \
-	$(MAKE) --no-print-directory deploy-test || rc=$$?; exit $$rc
+	@rc=0; $(MAKE) --no-print-directory deploy-test || rc=$$?; \
+	$(MAKE) --no-print-directory pytest || rc=$$?; exit $$rc
 
 # End to end with real mail software: swaks -> jsqueue (CLI) -> Postfix MX -> Maildir,
 # and with OpenDKIM as the MX's milter verifying jsqueue's DKIM signatures.
