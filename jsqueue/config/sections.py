@@ -576,6 +576,16 @@ class ReconcilerSettings(_Section):
     lock_ttl_s: float = Field(
         120.0, ge=3, description="the reconciler lock expires this long after its last renewal"
     )
+    failed_pass_pause_s: float = Field(
+        1.0,
+        gt=0,
+        description="pause after a pass that failed (NATS unavailable: a leader election, "
+        "a lost quorum), seconds; doubled after each further failure in a row, with jitter "
+        "(the pause is between half and all of it), up to failed_pass_pause_max_s",
+    )
+    failed_pass_pause_max_s: float = Field(
+        30.0, gt=0, description="longest pause after failed passes in a row, seconds"
+    )
 
 
 class HttpSettings(_Section):
