@@ -7,19 +7,120 @@ jsqueue processes started through the CLI, a DNS server and MXes, all on loopbac
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
 from jsqueue.config import NatsSettings, ReconcilerSettings, Settings
 from jsqueue.metrics import Metrics
+from jsqueue.names import Names
 from jsqueue.nats_cluster import EmbeddedCluster
 from jsqueue.reconciler import open_reconciler
 from jsqueue.store.base import Stores
+from support.cluster import JsqueueProc, Load, free_port, jsqueue_env, send_load
+from support.dns import DnsServer
 from support.queue import eventually
+from support.queue import test_settings as harness_settings
 
 # Node-loss scenarios bound how soon mail flows again: alone, not beside the parallel suite.
 pytestmark = pytest.mark.serial
+
+
+SINK = "sink.example.test"
+SINK_IP = "127.0.2.131"
+ZONE = f"{SINK}. 300 IN MX 10 mx.{SINK}.\nmx.{SINK}. 300 IN A {SINK_IP}\n"
+#: smtp.store_timeout_s in these tests, seconds: what a client may wait before a 451.
+STORE_TIMEOUT_S = 30.0
+
+
+def front_end_settings(nats: NatsSettings, dns: DnsServer, tmp_path: Path, **smtp: Any) -> Settings:
+    """The harness's test settings on the cluster with a free SMTP port."""
+    settings = harness_settings(nats, dns, free_port(), tmp_path / "cache")
+    update = {"port": free_port(), "store_timeout_s": STORE_TIMEOUT_S, **smtp}
+    return settings.model_copy(update={"smtp": settings.smtp.model_copy(update=update)})
+
+
+@asynccontextmanager
+async def front_ends(
+    settings: Settings, tmp_path: Path, n: int
+) -> AsyncIterator[list[tuple[JsqueueProc, int]]]:
+    """``n`` ``jsqueue smtp`` processes, each on its own port, with the port; SIGKILLed at exit."""
+    procs: list[tuple[JsqueueProc, int]] = []
+    try:
+        for i in range(n):
+            port = free_port() if i else settings.smtp.port
+            env = jsqueue_env(settings)
+            env["JSQUEUE_SMTP__PORT"] = str(port)
+            proc = JsqueueProc(["smtp"], env, tmp_path / f"smtp-{i}.log")
+            procs.append((proc, port))
+            await proc.start(r"listening on [\d.]+:\d+")
+        yield procs
+    finally:
+        for proc, _ in procs:
+            await proc.kill()
+
+
+def replies(load: Load) -> dict[str, int]:
+    """How many tries got each reply code ("no reply": the connection broke)."""
+    out: dict[str, int] = {}
+    for a in load.attempts:
+        key = str(a.code) if a.code is not None else "no reply"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+# --------------------------------------------------------------------------- ingest
+
+
+@pytest.mark.timeout(240)
+async def test_losing_the_leading_node_delays_clients_and_refuses_none(
+    nats_cluster: EmbeddedCluster,
+    cluster_settings: NatsSettings,
+    cluster_stores: Stores,
+    names: Names,
+    tmp_path: Path,
+) -> None:
+    """The node leading the bodies, entries, ingest-log and work streams is SIGKILLed
+    during a burst of 40 messages over two front ends: every client gets its 250, the
+    ones caught in the election after a delay, and none a 4xx or a broken connection
+    (each write of the ingest path is retried with its message id until
+    smtp.store_timeout_s). The longest stall a client saw is printed."""
+    victim = await nats_cluster.stream_leader(f"OBJ_{names.bodies_bucket}")
+    for stream in (f"KV_{names.entries_bucket}", f"KV_{names.ingest_bucket}", names.work_stream):
+        await nats_cluster.move_leader(stream, victim)
+    with DnsServer(ZONE) as dns:
+        settings = front_end_settings(cluster_settings, dns, tmp_path)
+        async with front_ends(settings, tmp_path, 2) as procs:
+            load = Load()
+            sending = [
+                asyncio.create_task(
+                    send_load("127.0.0.1", port, 20, SINK, first=20 * i, clients=6, load=load)
+                )
+                for i, (_, port) in enumerate(procs)
+            ]
+            await eventually(lambda: len(load.accepted()) >= 4, 60, what="the first 250s")
+            killed_at = time.monotonic()
+            nats_cluster.node(victim).kill()
+            await asyncio.wait_for(asyncio.gather(*sending), 180)
+    caught = [a for a in load.attempts if a.ended > killed_at]
+    stall = max(a.ended - max(a.started, killed_at) for a in caught)
+    print(
+        f"\nleader {victim} killed in a burst of 40: replies {replies(load)}; longest stall "
+        f"of a client {stall:.1f} s (store_timeout_s {STORE_TIMEOUT_S:g} s)"
+    )
+    assert len(load.accepted()) == 40
+    assert replies(load) == {"250": 40}, "a delay, never a 4xx"
+    assert stall < STORE_TIMEOUT_S
+    for i, a in load.accepted().items():  # each stored once, under the id answered
+        assert a.queue_id is not None
+        assert (await cluster_stores.entries.get(a.queue_id)).entry.recipients[0].address == (
+            f"m{i}@{SINK}"
+        )
 
 
 # --------------------------------------------------------------------------- reconciler
