@@ -7,6 +7,8 @@ jsqueue processes started through the CLI, a DNS server and MXes, all on loopbac
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -121,6 +123,47 @@ async def test_losing_the_leading_node_delays_clients_and_refuses_none(
         assert (await cluster_stores.entries.get(a.queue_id)).entry.recipients[0].address == (
             f"m{i}@{SINK}"
         )
+
+
+@pytest.mark.timeout(240)
+async def test_a_paused_node_costs_its_clients_a_delay_not_their_mail(
+    nats_cluster: EmbeddedCluster,
+    cluster_settings: NatsSettings,
+    cluster_stores: Stores,
+    tmp_path: Path,
+) -> None:
+    """The node a front end is connected to is stopped (SIGSTOP: alive, TCP connections
+    open, silent) while clients send: the front end notices the silence (PINGs
+    unanswered) and reconnects to a healthy node, so every message gets its 250 within
+    smtp.store_timeout_s, none a 4xx, while the two others keep a quorum. The longest
+    stall a client saw is printed. The node is resumed (SIGCONT) at the end."""
+    assert cluster_stores  # the queue is provisioned
+    with DnsServer(ZONE) as dns:
+        settings = front_end_settings(cluster_settings, dns, tmp_path)
+        async with front_ends(settings, tmp_path, 1) as [(proc, port)]:
+            found = await proc.wait_for_log(r"nats: connected to [\w.]+:(\d+)")
+            victim = next(n for n in nats_cluster.nodes if n.port == int(found.group(1)))
+            assert victim.pid is not None
+            # a few messages first: the front end's path is warm, its node is the victim
+            assert len((await send_load("127.0.0.1", port, 4, SINK, clients=2)).accepted()) == 4
+            os.kill(victim.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                load = await send_load(
+                    "127.0.0.1", port, 20, SINK, first=4, clients=20, max_tries=1
+                )
+                reconnected = "nats: reconnected to" in proc.log()
+            finally:
+                os.kill(victim.pid, signal.SIGCONT)
+    stall = max(a.ended - a.started for a in load.attempts)
+    print(
+        f"\nnode paused under a front end: replies {replies(load)}; longest stall of a "
+        f"client {stall:.1f} s; all sent {time.monotonic() - stopped_at:.1f} s after the "
+        f"pause began (store_timeout_s {STORE_TIMEOUT_S:g} s)"
+    )
+    assert replies(load) == {"250": 20}, "a delay, never a 4xx"
+    assert stall < STORE_TIMEOUT_S
+    assert reconnected, "moved to a healthy node"
 
 
 # --------------------------------------------------------------------------- reconciler

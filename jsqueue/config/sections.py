@@ -273,6 +273,17 @@ class NatsSettings(_Section):
     )
     connect_timeout_s: float = Field(2.0, gt=0, description="NATS connect timeout, seconds")
     request_timeout_s: float = Field(5.0, gt=0, description="JetStream request timeout, seconds")
+    ping_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="a PING to the connected NATS server this often, seconds; with "
+        "max_outstanding_pings unanswered the server counts as silent (alive but paused, "
+        "or cut off) and the client reconnects to another node of the cluster: noticed "
+        "within ping_interval_s × (max_outstanding_pings + 1)",
+    )
+    max_outstanding_pings: int = Field(
+        2, ge=1, description="PINGs left unanswered before the connection counts as stale"
+    )
     user: str | None = Field(None, description="NATS user name (with nats.password)")
     password: SecretStr | None = Field(None, description="NATS password (secret)")
     creds_file: Path | None = Field(None, description="NATS credentials file (JWT and NKey)")
