@@ -35,7 +35,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.events import NULL_OBSERVER, EventKind, Observer, entry_event
-from jsqueue.recording import AttemptRecord, fenced
+from jsqueue.recording import AttemptRecord, BodyReads, fenced
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
@@ -444,7 +444,8 @@ class Worker:
         held = _Held(claimed)
         heartbeat = asyncio.create_task(self._heartbeat(due, held, turn))
         fence = partial(self._still_held, item.domain, held, turn)
-        body = BodySource(fenced(layout.delivery_body(self.stores, entry), fence), entry.size)
+        reads = BodyReads(layout.delivery_body(self.stores, entry))  # notes store outages
+        body = BodySource(fenced(reads.open, fence), entry.size)
         try:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
         finally:  # a lost cancellation would renew the lease after the delivery
@@ -452,8 +453,9 @@ class Worker:
         if self.sites is not None and gate.admission is not None:
             admission, gate.admission = gate.admission, None
             await self.sites.done(admission, delivery)
-        async with turn.lock:
-            await self._conclude(due, held, delivery, started, turn)
+        async with turn.lock:  # an outage of the body store alone is not recorded:
+            if not await reads.given_back(self.stores, due, turn, held.version, delivery):
+                await self._conclude(due, held, delivery, started, turn)
 
     async def _conclude(
         self, due: Due, held: _Held, delivery: Attempt, started: datetime, turn: cas.Turn

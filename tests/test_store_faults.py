@@ -7,6 +7,8 @@ jsqueue processes started through the CLI, a DNS server and MXes, all on loopbac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import signal
 import time
@@ -20,13 +22,18 @@ from prometheus_client import generate_latest
 
 from jsqueue.config import NatsSettings, ReconcilerSettings, Settings
 from jsqueue.metrics import Metrics
-from jsqueue.names import Names
+from jsqueue.names import Names, new_queue_id
 from jsqueue.nats_cluster import EmbeddedCluster
 from jsqueue.reconciler import open_reconciler
-from jsqueue.store.base import Stores
-from support.cluster import JsqueueProc, Load, free_port, jsqueue_env, send_load
+from jsqueue.runtime import build_worker
+from jsqueue.store.base import BodyInfo, Stores
+from jsqueue.store.jetstream import close_nats, connect_nats, open_jetstream
+from jsqueue.store.jetstream.bodies import JetStreamBodyStore
+from support.cluster import CountingMx, JsqueueProc, Load, free_port, jsqueue_env, send_load
 from support.dns import DnsServer
-from support.queue import eventually
+from support.mx import shared_port
+from support.nats import chunks_of
+from support.queue import MX_HOSTS, eventually
 from support.queue import test_settings as harness_settings
 
 # Node-loss scenarios bound how soon mail flows again: alone, not beside the parallel suite.
@@ -34,7 +41,7 @@ pytestmark = pytest.mark.serial
 
 
 SINK = "sink.example.test"
-SINK_IP = "127.0.2.131"
+SINK_IP = "127.0.2.131"  # one of MX_HOSTS[:140]
 ZONE = f"{SINK}. 300 IN MX 10 mx.{SINK}.\nmx.{SINK}. 300 IN A {SINK_IP}\n"
 #: smtp.store_timeout_s in these tests, seconds: what a client may wait before a 451.
 STORE_TIMEOUT_S = 30.0
@@ -164,6 +171,151 @@ async def test_a_paused_node_costs_its_clients_a_delay_not_their_mail(
     assert replies(load) == {"250": 20}, "a delay, never a 4xx"
     assert stall < STORE_TIMEOUT_S
     assert reconnected, "moved to a healthy node"
+
+
+# --------------------------------------------------------------------------- body reads
+
+
+async def lead_everything(cluster: EmbeddedCluster, names: Names, node: str) -> None:
+    """Make ``node`` the leader of the queue's streams and of the work consumer."""
+    streams = (f"OBJ_{names.bodies_bucket}", f"KV_{names.entries_bucket}", names.work_stream)
+    for stream in streams:
+        await cluster.move_leader(stream, node)
+    await cluster.move_leader(names.work_stream, node, consumer=names.work_consumer)
+
+
+#: Bodies stored while the replica is paused, per round: its catch-up outlasts the reads.
+BODIES = 100
+#: Rounds of pause, writes, reads and resume.
+ROUNDS = 5
+
+
+@pytest.mark.timeout(120)
+async def test_a_body_read_answered_by_a_lagging_replica_is_confirmed_on_the_leader(
+    nats_cluster: EmbeddedCluster,
+    cluster_settings: NatsSettings,
+    cluster_stores: Stores,
+    names: Names,
+) -> None:
+    """Bodies stored while a replica was paused, read through that replica right as it
+    resumes (the reads wait in its socket, so it answers them before it has caught up):
+    every body is read whole; a "not found" from the replica is asked again of the
+    stream leader instead of being believed."""
+    lagging = nats_cluster.nodes[2]
+    assert lagging.pid is not None
+    await lead_everything(nats_cluster, names, "jsqueue-1")
+    # stays on the lagging node while it is paused (PINGs rare)
+    near = cluster_settings.model_copy(update={"urls": [lagging.url], "ping_interval_s": 600.0})
+    nc = await connect_nats(near, [lagging.url])
+    through_lagging = JetStreamBodyStore(nc, names, timeout_s=10.0)
+
+    async def read(qid: str, expect: BodyInfo | None) -> bytes | Exception:
+        try:
+            return b"".join([c async for c in through_lagging.open(qid, expect=expect)])
+        except Exception as e:  # counted below
+            return e
+
+    failed: list[tuple[str, Exception]] = []
+    try:
+        await through_lagging.meta(new_queue_id())  # the connection is up
+        for _ in range(ROUNDS):  # whether the replica answers before it caught up varies
+            os.kill(lagging.pid, signal.SIGSTOP)
+            try:
+                bodies = {}
+                for i in range(BODIES):
+                    data = f"Subject: {i}\r\n\r\n".encode() + b"x" * 2000
+                    qid = new_queue_id()
+                    info = await cluster_stores.bodies.put(qid, chunks_of(data), fresh=True)
+                    bodies[qid] = (data, info)
+                reads = [
+                    asyncio.ensure_future(read(q, info if n % 2 else None))
+                    for n, (q, (_, info)) in enumerate(bodies.items())
+                ]
+                await asyncio.sleep(0.2)  # the requests reach the paused node's socket
+            finally:
+                os.kill(lagging.pid, signal.SIGCONT)
+            got = await asyncio.gather(*reads)
+            failed += [(q, g) for q, g in zip(bodies, got, strict=True) if isinstance(g, Exception)]
+            assert [g for g in got if not isinstance(g, Exception)] == [
+                data
+                for (data, _), g in zip(bodies.values(), got, strict=True)
+                if not isinstance(g, Exception)
+            ]
+    finally:
+        await close_nats(nc)
+    print(
+        f"\nbodies read through a replica just resumed: {len(failed)} of {ROUNDS * BODIES} failed"
+    )
+    assert failed == [], failed[:3]
+
+
+@pytest.mark.timeout(180)
+async def test_a_body_store_outage_costs_the_mail_no_backoff_step(
+    nats_cluster: EmbeddedCluster,
+    cluster_settings: NatsSettings,
+    cluster_stores: Stores,
+    names: Names,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker whose body reads go through a node that is paused while it delivers: the
+    reads fail (after their retries on the leader), the transaction is abandoned before its
+    final dot, and the destination is given back for a few seconds: not deferred for
+    retry.base_s (300 s here), not counted as an attempt. Once the node resumes, the mail
+    is delivered, once."""
+    caplog.set_level(logging.INFO, logger="jsqueue.worker")
+    await lead_everything(nats_cluster, names, "jsqueue-1")
+    healthy = [n.url for n in nats_cluster.nodes[:2]]
+    paused = nats_cluster.nodes[2]
+    assert paused.pid is not None
+    nats = cluster_settings.model_copy(update={"urls": healthy})
+    stores = await open_jetstream(nats, names=names)
+    # The body store's own connection, to the node paused: it does not leave the node
+    # while it is silent (PINGs rare), so its reads fail until the node resumes.
+    slow = nats.model_copy(
+        update={"urls": [paused.url], "request_timeout_s": 1.0, "ping_interval_s": 600.0}
+    )
+    nc = await connect_nats(slow, [paused.url])
+    stop = asyncio.Event()
+    resumed = False
+    try:
+        worker_stores = dataclasses.replace(
+            stores, bodies=JetStreamBodyStore(nc, names, timeout_s=1.0)
+        )
+        with DnsServer(ZONE) as dns:
+            port = shared_port(MX_HOSTS[:140])
+            settings = harness_settings(
+                nats, dns, port, tmp_path / "cache", retry={"base_s": 300.0}
+            )
+            fe = front_end_settings(nats, dns, tmp_path)
+            async with CountingMx(SINK_IP, port) as mx, front_ends(fe, tmp_path, 1) as [(_, smtp)]:
+                worker = build_worker(settings, worker_stores)
+                running = asyncio.create_task(worker.run(stop))
+                # (its presence bucket is made first: an R3 stream needs every node)
+                await eventually(lambda: "worker running" in caplog.text, 30, what="running")
+                os.kill(paused.pid, signal.SIGSTOP)
+                load = await send_load("127.0.0.1", smtp, 1, SINK, clients=1)
+                [sent] = load.accepted().values()
+                # the attempt's end: given back (or, recorded, deferred)
+                ended = ("body store unavailable", "outcome=deferred")
+                await eventually(
+                    lambda: any(e in caplog.text for e in ended), 60, what="a failed read"
+                )
+                os.kill(paused.pid, signal.SIGCONT)
+                resumed = True
+                await eventually(lambda: bool(mx.arrivals), 60, what="the delivery")
+                stop.set()
+                await asyncio.wait_for(running, 30)
+    finally:
+        if not resumed:
+            os.kill(paused.pid, signal.SIGCONT)
+        stop.set()
+        await close_nats(nc)
+        await stores.close()
+    assert mx.copies() == {f"m0@{SINK}": 1}
+    assert "outcome=deferred" not in caplog.text
+    assert sent.queue_id is not None
+    assert cluster_stores  # the queue was provisioned on every node
 
 
 # --------------------------------------------------------------------------- reconciler
