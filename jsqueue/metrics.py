@@ -51,6 +51,9 @@ jsqueue_ack_pending_saturated              gauge      1 while the work consumer'
                                                       jsqueue_work_waiting_items: queue-wide
                                                       (jsqueue.saturation)
 jsqueue_nats_connected                     gauge      1 when the last NATS probe succeeded, else 0
+jsqueue_reconciler_failed_passes_total     counter    reconciler passes of this process that
+                                                      failed (NATS unavailable, or a bug); each
+                                                      is followed by a growing pause
 jsqueue_queue_gauges_exporter              gauge      1 on the process exporting the queue-wide
                                                       gauges, else 0
 =========================================  =========  ==============================================
@@ -109,6 +112,18 @@ class _PublisherCollector(Collector):
             ("jsqueue_events_failed", p.failed, "Events whose publish failed."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+
+
+class _CountCollector(Collector):
+    """Exports a count another part keeps (read at scrape time) as a counter."""
+
+    def __init__(self, name: str, doc: str, count: Callable[[], int]) -> None:
+        self.name = name
+        self.doc = doc
+        self.count = count
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, value=self.count())
 
 
 class Metrics:
@@ -203,6 +218,14 @@ class Metrics:
     def watch_publisher(self, publisher: JetStreamPublisher) -> None:
         """Export ``publisher``'s published / dropped / failed counts. Call once."""
         self.registry.register(_PublisherCollector(publisher))
+
+    def watch_reconciler(self, failed_passes: Callable[[], int]) -> None:
+        """Export the reconciler's failed passes (``failed_passes()``, read at scrape
+        time) as ``jsqueue_reconciler_failed_passes_total``. Call once."""
+        doc = "Reconciler passes of this process that failed (NATS unavailable, or a bug)."
+        self.registry.register(
+            _CountCollector("jsqueue_reconciler_failed_passes", doc, failed_passes)
+        )
 
     def emit(self, event: Event) -> None:
         """Count one event (the :class:`~jsqueue.events.Observer` hook). Never raises."""

@@ -119,3 +119,16 @@ class Pacer:
         self.busy_s += now - self._since
         self._since = now
         return self.busy_s
+
+
+def failure_backoff_s(failures: int, base_s: float, max_s: float, draw: float) -> float:
+    """Seconds to wait after the ``failures``-th failure in a row of a loop's run (>= 1):
+    ``base_s · 2^(failures-1)`` bounded by ``max_s``, of which a random half is taken off
+    (``draw`` in [0, 1): "equal jitter", so that processes that failed together do not try
+    again together). Pure.
+
+    Returns:
+        a pause in ``[bound / 2, bound]`` where ``bound = min(max_s, base_s · 2^(failures-1))``.
+    """
+    bound = min(max_s, base_s * 2.0 ** min(max(failures, 1) - 1, 62))
+    return bound * (0.5 + 0.5 * min(max(draw, 0.0), 1.0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.names import Names
-from jsqueue.pacing import SLICE_S, Pacer, cycle_rest
+from jsqueue.pacing import SLICE_S, Pacer, cycle_rest, failure_backoff_s
 from jsqueue.store.base import Inventory, Lock, Stores
 from jsqueue.store.jetstream import close_nats, connect_nats
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
@@ -190,8 +191,12 @@ class Reconciler:
         clock: returns the current aware UTC time.
         slice_s: work between two rests of a regular pass, seconds (:class:`Pacer`).
 
+        rng: the jitter source of the pause after a failed pass.
+
     Attributes:
         pacer: the pacer of the pass under way (None between passes).
+        failed_passes: passes of this process that failed (NATS unavailable, or a bug),
+            since it started; exported as ``jsqueue_reconciler_failed_passes_total``.
     """
 
     def __init__(
@@ -204,6 +209,7 @@ class Reconciler:
         *,
         clock: Callable[[], datetime] = utcnow,
         slice_s: float = SLICE_S,
+        rng: random.Random | None = None,
     ) -> None:
         self.stores = stores
         self.inventory = inventory
@@ -224,6 +230,12 @@ class Reconciler:
         self.slice_s = slice_s
         self.pacer: Pacer | None = None
         self._pause_s = settings.interval_s  # from the end of the last pass to the next
+        self.failed_passes = 0
+        self._failures_in_row = 0
+        # Monotonic time before which no pass starts (after a failed one), whatever asks
+        # for it: a recovery pass wanted after a reconnect waits for it too.
+        self._not_before = 0.0
+        self._rng = rng or random.Random()
 
     def nats_reconnected(self) -> None:
         """Ask for a recovery pass ``recovery_margin_s`` seconds from now: the NATS server
@@ -255,10 +267,34 @@ class Reconciler:
         """Seconds until the next pass: the pause after the last one (:func:`cycle_rest`),
         or sooner for a recovery pass (which is not paced: what a crash left is wanted back
         soon)."""
-        regular = self._pause_s
-        if self._recovery_at is None:
-            return regular
-        return max(0.0, min(regular, self._recovery_at - time.monotonic()))
+        now = time.monotonic()
+        wait = self._pause_s
+        if self._recovery_at is not None:
+            wait = max(0.0, min(wait, self._recovery_at - now))
+        return max(wait, self._not_before - now)
+
+    def _failed(self) -> None:
+        """Count a failed pass and hold off the next one (:func:`failure_backoff_s`:
+        exponential from ``failed_pass_pause_s`` up to ``failed_pass_pause_max_s``, with
+        jitter). A recovery pass still wanted stays wanted, after the pause: without it, a
+        pass failing at once (a cluster electing its leaders answers in milliseconds) was
+        followed by the next at once, thousands of requests a second to a cluster that
+        was trying to recover."""
+        self.failed_passes += 1
+        self._failures_in_row += 1
+        s = self.settings
+        pause_s = failure_backoff_s(
+            self._failures_in_row,
+            s.failed_pass_pause_s,
+            s.failed_pass_pause_max_s,
+            self._rng.random(),
+        )
+        self._not_before = time.monotonic() + pause_s
+        log.info(
+            "reconciler: %d failed passes in a row; the next in %.1f s",
+            self._failures_in_row,
+            pause_s,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sweep every ``interval_s`` seconds until ``stop`` is set; first sweep at once.
@@ -267,8 +303,11 @@ class Reconciler:
         (a recovery pass, which does not rest) stretches the pause after it
         (:func:`cycle_rest`; a stretched pause is logged).
 
-        Only the lock holder sweeps; the others keep trying to take the lock. Failures of
-        NATS are logged and the next pass tries again. The lock is released on the way out.
+        Only the lock holder sweeps; the others keep trying to take the lock. A pass that
+        fails (NATS unavailable, or a bug) is logged and counted (:attr:`failed_passes`),
+        and the next one waits (``failed_pass_pause_s``, doubled per failure in a row up to
+        ``failed_pass_pause_max_s``, with jitter); a recovery pass still wanted is made
+        after that pause. The lock is released on the way out.
         Every ``full_scan_every``-th pass of this process is a full one. The pass
         ``recovery_margin_s`` after the start, and the one as long after each NATS reconnect
         (:meth:`nats_reconnected`), is a recovery pass (``run_once(recovery=True)``).
@@ -286,16 +325,20 @@ class Reconciler:
                     rested = report.rested_s
                     if recovery and self._recovery_at == asked:  # no reconnect meanwhile
                         self._recovery_at = None
+                    self._failures_in_row, self._not_before = 0, 0.0
                     if report.changed or report.reported:
                         log.info("reconciler pass: %s", _summary(report))
                 except LockLost as e:
                     log.debug("reconciler: %s", e)
+                    self._failures_in_row, self._not_before = 0, 0.0
                     if recovery and self._recovery_at == asked:  # the holder makes its own
                         self._recovery_at = None
                 except StoreUnavailable as e:
                     log.warning("reconciler pass failed: %s", e)
+                    self._failed()
                 except Exception:  # a bug must not end the sweeping for good: log, go on
                     log.exception("reconciler pass failed unexpectedly")
+                    self._failed()
                 if self.pacer is not None:  # the pass failed: its rests are not work either
                     rested, self.pacer = self.pacer.rested_s, None
                 wall = time.monotonic() - started

@@ -17,6 +17,7 @@ settled). Two faults of a plain compare-and-set loop are ruled out here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator, Callable
@@ -36,11 +37,17 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.events import EventKind, Observer, entry_event
+from jsqueue.replies import R451_BODY_UNAVAILABLE, Reply
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout
-from jsqueue.store.base import Stores, Versioned
+from jsqueue.store.base import Due, Stores, Versioned
 
 log = logging.getLogger("jsqueue.worker")
+
+#: NAK delay of a destination whose attempt failed only because the body store was
+#: unavailable, seconds: the queue's own trouble, tried again soon (not after
+#: ``retry.base_s``) and not counted as an attempt of its recipients.
+STORE_TROUBLE_RETRY_S = 5.0
 
 
 def fenced(
@@ -241,3 +248,82 @@ async def hold_too_large(
     log.error("queue %s: held: %s; release it to deliver again", entry.id, reason)
     for kind in (EventKind.TOO_LARGE, EventKind.HELD):
         observer.emit(entry_event(kind, entry, source=source, at=at, detail=reason))
+
+
+def _body_unavailable(reply: Reply) -> bool:
+    """Whether ``reply`` is ours for a body that could not be read during DATA (the
+    transaction was abandoned before its final dot, RFC 5321 §4.1.1.4). Pure."""
+    base = R451_BODY_UNAVAILABLE
+    return (
+        reply.remote_host is None
+        and (reply.code, reply.enhanced) == (base.code, base.enhanced)
+        and reply.text.startswith(base.text)
+    )
+
+
+class BodyReads:
+    """The body streams of one attempt (``open_``), noting whether the body store was
+    unavailable while one was read (:class:`~jsqueue.errors.StoreUnavailable`, raised once
+    the store's own retries and its reads from the stream leader ran out).
+
+    A "not found" or a corrupt body is not noted: the store confirmed it on the stream
+    leader, so it is the mail's outcome and is recorded as usual.
+    """
+
+    def __init__(self, open_: Callable[[], AsyncIterator[bytes]]) -> None:
+        self._open = open_
+        self.failure: StoreUnavailable | None = None
+
+    async def open(self) -> AsyncIterator[bytes]:
+        """One stream of the body, as ``open_`` gives it; a StoreUnavailable is noted and
+        re-raised.
+
+        Raises:
+            StoreUnavailable: the body store failed (noted).
+            Exception: whatever else the stream raises.
+        """
+        chunks = self._open()
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except StoreUnavailable as e:
+            self.failure = e
+            raise
+        finally:
+            await aclose(chunks)
+
+    async def given_back(
+        self, stores: Stores, due: Due, turn: cas.Turn, held: Versioned, delivery: Attempt
+    ) -> bool:
+        """When the body store's outage was the attempt's only outcome (every recipient
+        got our "body could not be read" reply: nothing was sent, nothing refused), give
+        the destination back instead of recording the attempt: the lease is released and
+        the item NAKed with :data:`STORE_TROUBLE_RETRY_S`, so the mail is not deferred for
+        a backoff step (``retry.base_s``) and no attempt is counted for the queue's own
+        trouble. Otherwise nothing happens and the attempt is recorded as usual.
+
+        Returns:
+            True when the destination was given back (the caller records nothing).
+
+        Raises:
+            StoreUnavailable: the NAK failed (the item comes back after the ack wait).
+        """
+        replies = delivery.replies.values()
+        if self.failure is None or not replies or not all(map(_body_unavailable, replies)):
+            return False
+        domain = due.item.domain
+        log.warning(
+            "queue %s %s: body store unavailable (%s); not counted as an attempt, tried "
+            "again in %g s",
+            due.item.queue_id,
+            domain,
+            self.failure,
+            STORE_TROUBLE_RETRY_S,
+        )
+        v = turn.latest(held)
+        # Best effort: a lease left behind runs out, and this worker may take it up again.
+        with contextlib.suppress(StoreUnavailable, RevisionConflict, EntryTooLarge, EntryNotFound):
+            released = state.release(v.entry, domain)
+            turn.saw(await layout.update_entry(stores, released, v.revision))
+        await due.retry(STORE_TROUBLE_RETRY_S)
+        return True

@@ -262,6 +262,7 @@ async def run_services(
             if worker and settings.reconciler.enabled:
                 reconciler = await open_reconciler(settings, urls)
                 stack.push_async_callback(reconciler.close)
+                tel.metrics.watch_reconciler(lambda: reconciler.failed_passes)
                 tasks.append(asyncio.create_task(reconciler.run(stop)))
             # The worker logs its lease owner name once taken (another may have it).
             log.info("jsqueue running (smtp=%s, worker=%s)", smtp, worker)

@@ -35,7 +35,7 @@ from jsqueue.errors import (
     StoreUnavailable,
 )
 from jsqueue.events import NULL_OBSERVER, Observer
-from jsqueue.recording import AttemptRecord, HoldFor, fenced, hold_too_large
+from jsqueue.recording import AttemptRecord, BodyReads, HoldFor, fenced, hold_too_large
 from jsqueue.replies import STORED_REPLY_OCTETS
 from jsqueue.retry import RetryPolicy
 from jsqueue.store import cas, layout, presence
@@ -458,14 +458,12 @@ class Worker:
         return None
 
     async def _attempt(self, due: Due, claimed: Versioned, gate: Gate, turn: cas.Turn) -> None:
-        item = due.item
-        entry = claimed.entry
+        item, entry, started, held = due.item, claimed.entry, self.clock(), _Held(claimed)
         recipients = entry.open_recipients(item.domain)
-        started = self.clock()
-        held = _Held(claimed)
-        heartbeat = asyncio.create_task(self._heartbeat(due.item.domain, held, turn))
+        heartbeat = asyncio.create_task(self._heartbeat(item.domain, held, turn))
         fence = partial(self._still_held, item.domain, held, turn)
-        body = BodySource(fenced(layout.delivery_body(self.stores, entry), fence), entry.size)
+        reads = BodyReads(layout.delivery_body(self.stores, entry))  # notes store outages
+        body = BodySource(fenced(reads.open, fence), entry.size)
         try:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
         finally:  # a lost cancellation would renew the lease after the delivery
@@ -473,8 +471,9 @@ class Worker:
         if self.sites is not None and gate.admission is not None:
             admission, gate.admission = gate.admission, None
             await self.sites.done(admission, delivery)
-        async with turn.lock:
-            await self._conclude(due, held, delivery, started, turn)
+        async with turn.lock:  # an outage of the body store alone is not recorded:
+            if not await reads.given_back(self.stores, due, turn, held.version, delivery):
+                await self._conclude(due, held, delivery, started, turn)
 
     async def _conclude(
         self, due: Due, held: _Held, delivery: Attempt, started: datetime, turn: cas.Turn

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from jsqueue.pacing import Pacer, cycle_rest, rest_after
+from jsqueue.pacing import Pacer, cycle_rest, failure_backoff_s, rest_after
 from support.queue import eventually
 
 
@@ -97,3 +97,12 @@ async def test_hurry_ends_the_rest_under_way_and_the_rests_after_it() -> None:
     await asyncio.wait_for(pacer.step(), 5)  # no rest any more
     assert t.rests == [pytest.approx(999.0)]
     pacer.hurry()  # idempotent
+
+
+def test_failure_backoff_grows_to_its_bound_with_jitter() -> None:
+    """Doubling per failure in a row from the base, bounded, and a random half taken off."""
+    assert failure_backoff_s(1, 1.0, 30.0, 0.0) == 0.5
+    assert failure_backoff_s(1, 1.0, 30.0, 0.999999) == pytest.approx(1.0)
+    assert failure_backoff_s(3, 1.0, 30.0, 1.0) == 4.0
+    assert failure_backoff_s(10, 1.0, 30.0, 1.0) == 30.0
+    assert failure_backoff_s(10_000, 1.0, 30.0, 0.5) == 22.5  # no overflow

@@ -278,6 +278,17 @@ class NatsSettings(_Section):
     )
     connect_timeout_s: float = Field(2.0, gt=0, description="NATS connect timeout, seconds")
     request_timeout_s: float = Field(5.0, gt=0, description="JetStream request timeout, seconds")
+    ping_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="a PING to the connected NATS server this often, seconds; with "
+        "max_outstanding_pings unanswered the server counts as silent (alive but paused, "
+        "or cut off) and the client reconnects to another node of the cluster: noticed "
+        "within ping_interval_s × (max_outstanding_pings + 1)",
+    )
+    max_outstanding_pings: int = Field(
+        2, ge=1, description="PINGs left unanswered before the connection counts as stale"
+    )
     user: str | None = Field(None, description="NATS user name (with nats.password)")
     password: SecretStr | None = Field(None, description="NATS password (secret)")
     creds_file: Path | None = Field(None, description="NATS credentials file (JWT and NKey)")
@@ -587,6 +598,16 @@ class ReconcilerSettings(_Section):
     )
     lock_ttl_s: float = Field(
         120.0, ge=3, description="the reconciler lock expires this long after its last renewal"
+    )
+    failed_pass_pause_s: float = Field(
+        1.0,
+        gt=0,
+        description="pause after a pass that failed (NATS unavailable: a leader election, "
+        "a lost quorum), seconds; doubled after each further failure in a row, with jitter "
+        "(the pause is between half and all of it), up to failed_pass_pause_max_s",
+    )
+    failed_pass_pause_max_s: float = Field(
+        30.0, gt=0, description="longest pause after failed passes in a row, seconds"
     )
 
 

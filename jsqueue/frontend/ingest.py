@@ -24,6 +24,7 @@ from jsqueue.errors import EntryDeleted, EntryNotFound, JsqueueError, StoreFull,
 from jsqueue.events import NULL_OBSERVER, Observer, received_event
 from jsqueue.replies import R451_LOCAL_ERROR, R452_STORAGE_FULL, Reply
 from jsqueue.store.base import BodyInfo, BodyStore, IngestLog, Stores
+from jsqueue.store.deadline import retry_store_for
 from jsqueue.store.layout import one_chunk
 from jsqueue.tasks import cancel_and_wait
 
@@ -374,9 +375,13 @@ class Ingest:
 
         Steps, all within ``smtp.store_timeout_s``: finish the body upload while claiming
         the ingest key (resend protection); once the body is stored, create the entry and
-        publish one work item per recipient domain at the same time. On failure the entry,
-        work items and body are removed again, best effort (DESIGN.md §2.1; RFC 5321 §6.1:
-        the 250 is the moment responsibility passes).
+        publish one work item per recipient domain at the same time. Every write of these
+        steps retries temporary failures until ``smtp.store_timeout_s`` has passed
+        (:func:`~jsqueue.store.deadline.retry_store_for`), each try with the same message
+        id: with one node of three lost, the client sees the election's stall (~4–9 s,
+        DESIGN.md §6), not a ``451``. On failure the entry, work items and body are
+        removed again, best effort (DESIGN.md §2.1; RFC 5321 §6.1: the 250 is the moment
+        responsibility passes).
 
         Args:
             upload: the message written so far (``Received:`` first); finished or aborted
@@ -403,53 +408,54 @@ class Ingest:
         stage = "body"
         body: asyncio.Future[BodyInfo] | None = None
         try:
-            async with asyncio.timeout(self._settings.store_timeout_s):
-                # Body and ingest-log claim at the same time; the entry and the work items
-                # once the body is stored (an entry never names a body that failed).
-                body = asyncio.ensure_future(upload.finish())
-                earlier = await self._earlier_copy(key, queue_id, mine) if key else None
-                if earlier is not None:
-                    await _stopped(body)
-                    await upload.abort()
-                    log.info("%s: resend of %s within the dedupe window", queue_id, earlier)
-                    return earlier
-                info = await body
-                entry = Entry(
-                    id=queue_id,
-                    reverse_path=mail.reverse_path,
-                    recipients=list(mail.recipients),
-                    created_at=utcnow(),
-                    size=info.size,
-                    digest=info.digest,
-                    helo=mail.helo,
-                    client_address=mail.client_address,
-                    envid=mail.envid,
-                    ret=mail.ret,
-                    smtputf8=mail.smtputf8,
-                    body_8bit=mail.eight_bit,
-                    inline_body=upload.inline,
-                    request_digest=mail.request_digest,
-                )
-                if upload.inline is not None and not self._fits(entry):
-                    entry.inline_body = None
-                    info = await upload.store_inline()
-                stage = "entry and work items"
-                # Both at once: two round trips before the 250, not three. A worker that
-                # gets an item before the entry is stored tries it again shortly
-                # (jsqueue.state.CREATE_GRACE_S). Should either fail, the entry and items
-                # are removed without a trace; a resend then finds the ingest record of this
-                # id without its entry and takes its place.
-                stored = await asyncio.gather(
-                    self._stores.entries.create(entry),
-                    *(
-                        self._stores.scheduler.schedule(WorkItem(queue_id, d))
-                        for d in entry.domains
-                    ),
-                    return_exceptions=True,
-                )
-                for result in stored:
-                    if isinstance(result, BaseException):
-                        raise result
+            with retry_store_for(self._settings.store_timeout_s):
+                async with asyncio.timeout(self._settings.store_timeout_s):
+                    # Body and ingest-log claim at the same time; the entry and the work items
+                    # once the body is stored (an entry never names a body that failed).
+                    body = asyncio.ensure_future(upload.finish())
+                    earlier = await self._earlier_copy(key, queue_id, mine) if key else None
+                    if earlier is not None:
+                        await _stopped(body)
+                        await upload.abort()
+                        log.info("%s: resend of %s within the dedupe window", queue_id, earlier)
+                        return earlier
+                    info = await body
+                    entry = Entry(
+                        id=queue_id,
+                        reverse_path=mail.reverse_path,
+                        recipients=list(mail.recipients),
+                        created_at=utcnow(),
+                        size=info.size,
+                        digest=info.digest,
+                        helo=mail.helo,
+                        client_address=mail.client_address,
+                        envid=mail.envid,
+                        ret=mail.ret,
+                        smtputf8=mail.smtputf8,
+                        body_8bit=mail.eight_bit,
+                        inline_body=upload.inline,
+                        request_digest=mail.request_digest,
+                    )
+                    if upload.inline is not None and not self._fits(entry):
+                        entry.inline_body = None
+                        info = await upload.store_inline()
+                    stage = "entry and work items"
+                    # Both at once: two round trips before the 250, not three. A worker that
+                    # gets an item before the entry is stored tries it again shortly
+                    # (jsqueue.state.CREATE_GRACE_S). Should either fail, the entry and items
+                    # are removed without a trace; a resend then finds the ingest record of this
+                    # id without its entry and takes its place.
+                    stored = await asyncio.gather(
+                        self._stores.entries.create(entry),
+                        *(
+                            self._stores.scheduler.schedule(WorkItem(queue_id, d))
+                            for d in entry.domains
+                        ),
+                        return_exceptions=True,
+                    )
+                    for result in stored:
+                        if isinstance(result, BaseException):
+                            raise result
         except (JsqueueError, TimeoutError, OSError) as e:
             log.warning("%s: not queued (%s failed: %r); answering 451", queue_id, stage, e)
             await _stopped(body)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Generic, TypeVar
@@ -25,6 +25,7 @@ from nats.js import JetStreamContext, api
 
 from jsqueue.errors import StoreFull, StoreUnavailable, reason
 from jsqueue.names import js_api_subject
+from jsqueue.store.deadline import retry_budget_s
 
 log = logging.getLogger("jsqueue.store.jetstream")
 
@@ -267,7 +268,8 @@ async def publish(
     """Publish to a stream, retrying temporary failures with the same headers (so the same
     msg id): timeouts, no responders (no stream leader: an election, ~4–9 s, DESIGN.md §6)
     and 503s. Retries stop once ``attempts`` tries failed *and* ``budget_s`` seconds have
-    passed, whichever comes later; pauses grow from :data:`RETRY_PAUSE_S` to
+    passed, whichever comes later (within :func:`~jsqueue.store.deadline.retry_store_for`
+    the budget is what is left to its deadline); pauses grow from :data:`RETRY_PAUSE_S` to
     :data:`RETRY_PAUSE_MAX_S`. Idempotent when ``headers`` carry a ``Nats-Msg-Id`` (within
     the stream's dedupe window) or an expected last sequence.
 
@@ -292,7 +294,7 @@ async def publish(
             :func:`~jsqueue.store.jetstream.api.unavailable`.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + budget_s
+    deadline = loop.time() + retry_budget_s(budget_s)
     pause = RETRY_PAUSE_S
     attempt = 0
     while True:
@@ -315,6 +317,89 @@ async def publish(
         pause = min(2 * pause, RETRY_PAUSE_MAX_S)
     log.warning("%s: giving up after %d attempts: %s", what, attempt, describe(last))
     raise unavailable(what, last) from last
+
+
+async def get_stored(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    what: str,
+    seq: int | None = None,
+    leader: bool = False,
+) -> api.RawStreamMsg | None:
+    """One read of a stream message: the last on ``subject``, or with ``seq`` the first on
+    ``subject`` at or after ``seq``. A direct get (any replica answers; DESIGN.md §7: fast)
+    unless ``leader``: then the stream leader answers (``STREAM.MSG.GET``), so a write it
+    acknowledged is seen. Read-only, so safe to repeat.
+
+    Returns:
+        the message, or None when there is none.
+
+    Raises:
+        StoreUnavailable: no answer, no stream leader, or the connection failed.
+        unavailable: the StoreUnavailable above, as built by :func:`unavailable`.
+    """
+    with translate(f"{what}: read"):
+        try:
+            if seq is None:
+                return await js.get_msg(stream, subject=subject, direct=not leader)
+            return await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=not leader)
+        except nats.js.errors.NotFoundError:
+            return None
+
+
+async def get_confirmed(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    what: str,
+    seq: int | None = None,
+    settled: Callable[[api.RawStreamMsg], bool] = lambda _: True,
+    tries: int = 1,
+    budget_s: float = 0.0,
+) -> api.RawStreamMsg | None:
+    """A read (:func:`get_stored`) whose "not found" is confirmed on the stream leader.
+
+    A direct get may be answered by a replica that has not applied the newest writes (one
+    just restarted or resumed and catching up: measured, a worker found 46 bodies "not
+    found" right after a node came back), or time out on a replica that is silent. So a
+    miss, a message ``settled`` refuses (a delete marker the leader may know to be
+    replaced), or a failed direct get is asked again of the stream leader: ``tries`` times
+    at least and for ``budget_s`` seconds (what is left of an enclosing
+    :func:`~jsqueue.store.deadline.retry_store_for` block instead, when there is one)
+    while the leader fails (an election: ~4–9 s, DESIGN.md §6), with growing pauses
+    (:data:`RETRY_PAUSE_S` to :data:`RETRY_PAUSE_MAX_S`). A found answer of a replica is
+    taken as it is (a stale one fails the compare-and-set that follows). Read-only.
+
+    Returns:
+        the message (the leader's answer when the direct get missed), or None when the
+        leader has none either.
+
+    Raises:
+        StoreUnavailable: every try of the leader failed (the last failure is the cause).
+        unavailable: the StoreUnavailable above, as built by :func:`unavailable`.
+    """
+    try:
+        msg = await get_stored(js, stream, subject, what=what, seq=seq)
+        if msg is not None and settled(msg):
+            return msg
+    except StoreUnavailable as e:
+        log.debug("%s: direct get failed (%s); asking the stream leader", what, e)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_budget_s(budget_s)
+    pause = RETRY_PAUSE_S
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await get_stored(js, stream, subject, what=what, seq=seq, leader=True)
+        except StoreUnavailable:
+            if attempt >= tries and loop.time() + pause >= deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, RETRY_PAUSE_MAX_S)
 
 
 class _Inbox(Generic[W]):

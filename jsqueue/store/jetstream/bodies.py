@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 from nats.nuid import NUID
 
-from jsqueue.errors import BodyCorrupt, BodyNotFound, StoreError
+from jsqueue.errors import BodyCorrupt, BodyNotFound, StoreError, StoreUnavailable
 from jsqueue.names import (
     Names,
     check_queue_id,
@@ -33,12 +36,17 @@ from jsqueue.names import (
 from jsqueue.store.base import BodyInfo
 from jsqueue.store.jetstream.api import (
     HDR_EXPECTED_LAST_SUBJ_SEQ,
+    HDR_MSG_ID,
     HDR_ROLLUP,
     NATS_FAILURES,
-    RETRYABLE,
+    PUBLISH_ATTEMPTS,
     PipelinedPublisher,
     describe,
+    get_confirmed,
+    get_stored,
+    is_temporary,
     is_wrong_last_seq,
+    publish,
     translate,
     unavailable,
 )
@@ -51,6 +59,19 @@ CHUNK_SIZE = 512 * 1024
 PUT_WINDOW = 4
 #: Bodies whose chunk-set nuid a body store remembers after opening them (for delete).
 OPENED_MEMORY = 4096
+#: Tries of the stream leader for a body read a replica could not answer (a miss, a
+#: timeout), within one delivery attempt (:func:`~jsqueue.store.jetstream.api.get_confirmed`).
+READ_TRIES = 3
+
+
+@dataclass
+class _Sent:
+    """A chunk written and not yet acknowledged: its ack, and what to write again."""
+
+    ack: asyncio.Future[api.PubAck]
+    subject: str
+    data: bytes
+    headers: dict[str, str]
 
 
 class _SourceFailed(Exception):
@@ -108,17 +129,25 @@ class JetStreamBodyStore:
     async def meta(self, queue_id: str) -> dict[str, Any] | None:
         """The stored meta record of a body (object-store JSON), None when absent/deleted.
 
+        A direct get (any replica); a miss or a failure is asked again of the stream leader
+        (:func:`~jsqueue.store.jetstream.api.get_confirmed`, :data:`READ_TRIES` tries): a
+        replica catching up after a restart or a pause answers "not found" for bodies that
+        are stored. Read-only.
+
         Raises:
             BodyCorrupt: the meta record cannot be parsed.
             StoreUnavailable: the read failed.
         """
-        with translate(f"body {queue_id}: read meta"):
-            try:
-                msg = await self.js.get_msg(
-                    self.stream, subject=self.meta_subject(queue_id), direct=True
-                )
-            except nats.js.errors.NotFoundError:
-                return None
+        msg = await get_confirmed(
+            self.js,
+            self.stream,
+            self.meta_subject(queue_id),
+            what=f"body {queue_id}: meta",
+            tries=READ_TRIES,
+            budget_s=PUBLISH_ATTEMPTS * self._timeout_s,
+        )
+        if msg is None:
+            return None
         try:
             meta = json.loads(msg.data or b"{}")
         except ValueError as e:
@@ -145,10 +174,21 @@ class JetStreamBodyStore:
         ``$O.<bucket>.M.<token>``), so :meth:`delete` purges both with one wildcard filter;
         any other gets a random chunk-set name, as the object store does.
 
+        Chunks go out ``PUT_WINDOW`` at a time without waiting for each ack. Each carries a
+        ``Nats-Msg-Id`` of its own (put and chunk number), so a chunk written again after a
+        temporary failure (a timeout, no stream leader during an election: ~4–9 s,
+        DESIGN.md §6) is stored once. After such a failure the chunks still unacknowledged
+        and the rest are written one at a time, each retried
+        (:func:`~jsqueue.store.jetstream.api.publish`: for what is left of an enclosing
+        :func:`~jsqueue.store.deadline.retry_store_for` block), and the chunk set is read
+        back from the stream leader before the meta counts: should a retried chunk have been
+        stored after a later one, the put fails rather than store a body out of order.
+
         Raises:
             InvalidName: bad queue id.
-            StoreUnavailable: a chunk or the meta could not be stored (timeout, no stream
-                leader, connection failed); the chunks sent and a stored meta are removed.
+            StoreUnavailable: a chunk or the meta could not be stored (every retry timed
+                out or found no stream leader, the connection failed, or the chunks were
+                stored out of order); the chunks sent and a stored meta are removed.
             unavailable: the StoreUnavailable above, as built by
                 :func:`~jsqueue.store.jetstream.api.unavailable`.
             Exception: whatever ``chunks`` raises, re-raised unchanged once the chunks sent
@@ -162,10 +202,10 @@ class JetStreamBodyStore:
         subject = self.chunk_subject(nuid)
         size = max(1, min(self._chunk_size, self._nc.max_payload or self._chunk_size))
         digest = hashlib.sha256()
-        total = count = 0
+        total = 0
         buf = bytearray()
-        pending: deque[asyncio.Future[api.PubAck]] = deque()
         what = f"body {queue_id}: store"
+        writer = _ChunkWriter(self, subject, f"{nuid}.{uuid.uuid4().hex[:12]}", what)
         source = aiter(chunks)
         try:
             while True:
@@ -179,18 +219,16 @@ class JetStreamBodyStore:
                 total += len(piece)
                 buf += piece
                 while len(buf) >= size:
-                    await self._send(subject, bytes(buf[:size]), pending)
+                    await writer.send(bytes(buf[:size]))
                     del buf[:size]
-                    count += 1
             if buf:
-                await self._send(subject, bytes(buf), pending)
-                count += 1
+                await writer.send(bytes(buf))
             meta = {
                 "name": queue_id,
                 "bucket": self.bucket,
                 "nuid": nuid,
                 "size": total,
-                "chunks": count,
+                "chunks": writer.count,
                 "digest": "SHA-256=" + base64.urlsafe_b64encode(digest.digest()).decode(),
                 "mtime": datetime.now(UTC).isoformat(),
                 "options": {"max_chunk_size": size},
@@ -198,55 +236,55 @@ class JetStreamBodyStore:
             # The meta goes out right behind the last chunks, before their acks are in: one
             # connection, one stream, so it is stored after them (a round trip less per
             # body). Should a chunk fail after all, a stored meta is taken back.
-            meta_put = asyncio.ensure_future(self._put_meta(queue_id, meta))
+            meta_put = asyncio.ensure_future(self._put_meta(queue_id, meta, writer.token))
             try:
-                while pending:
-                    await asyncio.wait_for(pending.popleft(), self._timeout_s)
+                await writer.finish()
             except BaseException:
                 await self._withdraw_meta(queue_id, meta_put)
                 raise
             await meta_put
         except _SourceFailed as e:
             # The caller's stream failed (client gone, size limit ...): its error, not ours.
-            await self._discard(subject, pending)
+            await self._discard(subject, writer.pending)
             assert e.__cause__ is not None
             raise e.__cause__ from None
         except NATS_FAILURES as e:
-            await self._discard(subject, pending)
+            await self._discard(subject, writer.pending)
             raise unavailable(what, e) from e
         except BaseException:
-            await self._discard(subject, pending)
+            await self._discard(subject, writer.pending)
             raise
         return BodyInfo(size=total, digest=digest.hexdigest())
 
-    async def _send(
-        self, subject: str, data: bytes, pending: deque[asyncio.Future[api.PubAck]]
-    ) -> None:
-        # Written in call order on one connection, so the chunks are stored in order.
-        pending.append(await self._acked.publish(subject, data))
-        if len(pending) >= PUT_WINDOW:
-            await asyncio.wait_for(pending.popleft(), self._timeout_s)
+    async def _put_meta(self, queue_id: str, meta: dict[str, Any], token: str) -> None:
+        """Store the meta record of a new chunk set, retried like the chunks (the same
+        ``Nats-Msg-Id`` each time). A retry refused because the name holds a record is
+        ours when the record names our chunk set (the earlier try was stored, its reply
+        lost); a record of another chunk set (a body stored anew) is replaced and its chunks
+        purged.
 
-    async def _put_meta(self, queue_id: str, meta: dict[str, Any]) -> None:
+        Raises:
+            nats.js.errors.APIError: the stream refused the record.
+            StoreUnavailable: every try failed.
+        """
         subject = self.meta_subject(queue_id)
         data = json.dumps(meta).encode()
+        what = f"body {queue_id}: store meta"
+        budget_s = PUBLISH_ATTEMPTS * self._timeout_s
+        headers = {HDR_ROLLUP: "sub", HDR_MSG_ID: f"{token}.meta"}
         try:
             # Fast path: no body under this id yet (queue ids are unique).
-            await self.js.publish(
-                subject, data, headers={HDR_ROLLUP: "sub", HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
-            )
+            fast = {**headers, HDR_EXPECTED_LAST_SUBJ_SEQ: "0"}
+            await publish(self.js, subject, data, fast, what=what, budget_s=budget_s)
             return
         except nats.js.errors.APIError as e:
             if not is_wrong_last_seq(e):
                 raise
-        except RETRYABLE:
-            # Ambiguous: the meta may have been stored. Ours if it carries our nuid.
-            current = await self.meta(queue_id)
-            if current is not None and current.get("nuid") == meta["nuid"]:
-                return
-            raise
         old = await self.meta(queue_id)
-        await self.js.publish(subject, data, headers={HDR_ROLLUP: "sub"})
+        if old is not None and old.get("nuid") == meta["nuid"]:
+            return  # our own earlier try, stored after all
+        headers[HDR_MSG_ID] = f"{token}.meta.replace"
+        await publish(self.js, subject, data, headers, what=what, budget_s=budget_s)
         if old is not None and old.get("nuid") != meta["nuid"]:
             await self.js.purge_stream(self.stream, subject=self.chunk_subject(old["nuid"]))
 
@@ -268,9 +306,9 @@ class JetStreamBodyStore:
         except NATS_FAILURES as e:
             log.warning("could not remove the meta of failed body %s: %s", queue_id, describe(e))
 
-    async def _discard(self, subject: str, pending: deque[asyncio.Future[api.PubAck]]) -> None:
-        for fut in pending:
-            fut.cancel()
+    async def _discard(self, subject: str, pending: deque[_Sent]) -> None:
+        for sent in pending:
+            sent.ack.cancel()
         try:
             await self.js.purge_stream(self.stream, subject=subject)
         except NATS_FAILURES as e:
@@ -297,7 +335,10 @@ class JetStreamBodyStore:
         check_queue_id(queue_id)
         first: api.RawStreamMsg | None = None
         if expect is not None and expect.size > 0:
-            first = await self._chunk(queue_id, self.chunk_subject(object_name_token(queue_id)), 1)
+            # A probe (any replica): a miss or a failure reads the meta, which is confirmed.
+            subject = self.chunk_subject(object_name_token(queue_id))
+            with contextlib.suppress(StoreUnavailable):
+                first = await get_stored(self.js, self.stream, subject, what=queue_id, seq=1)
         if first is not None:
             assert expect is not None
             nuid = object_name_token(queue_id)
@@ -327,15 +368,22 @@ class JetStreamBodyStore:
             self._opened.popitem(last=False)
 
     async def _chunk(self, queue_id: str, subject: str, seq: int) -> api.RawStreamMsg | None:
-        """The first chunk on ``subject`` at or after ``seq``; None when there is none."""
-        with translate(f"body {queue_id}: read chunk"):
-            try:
-                msg: api.RawStreamMsg = await self.js.get_msg(
-                    self.stream, seq=seq, subject=subject, next=True, direct=True
-                )
-                return msg
-            except nats.js.errors.NotFoundError:
-                return None
+        """The first chunk on ``subject`` at or after ``seq``; None when there is none (a
+        miss confirmed on the stream leader, which is also asked when a replica fails:
+        :func:`~jsqueue.store.jetstream.api.get_confirmed`, :data:`READ_TRIES` tries).
+
+        Raises:
+            StoreUnavailable: the stream leader's every try failed.
+        """
+        return await get_confirmed(
+            self.js,
+            self.stream,
+            subject,
+            what=f"body {queue_id}: chunk",
+            seq=seq,
+            tries=READ_TRIES,
+            budget_s=PUBLISH_ATTEMPTS * self._timeout_s,
+        )
 
     async def _chunks(
         self,
@@ -446,4 +494,118 @@ class JetStreamBodyStore:
         except (StoreError, *NATS_FAILURES) as e:
             log.warning(
                 "body %s: discard failed (%s); left for the orphan sweep", queue_id, describe(e)
+            )
+
+
+class _ChunkWriter:
+    """The chunks of one :meth:`JetStreamBodyStore.put`: written ``PUT_WINDOW`` at a time
+    without waiting for their acks until a write fails for a temporary reason; from then
+    on written one at a time, each retried with its own ``Nats-Msg-Id``, and the chunk set
+    is checked for order at :meth:`finish`.
+
+    Attributes:
+        token: names the put in the message ids (chunk set nuid and a random part).
+        count: chunks sent so far.
+        pending: chunks sent whose ack has not been awaited yet.
+    """
+
+    def __init__(self, store: JetStreamBodyStore, subject: str, token: str, what: str) -> None:
+        self.store = store
+        self.subject = subject
+        self.token = token
+        self.what = what
+        self.count = 0
+        self.pending: deque[_Sent] = deque()
+        self.careful = False
+
+    def _budget_s(self) -> float:
+        return PUBLISH_ATTEMPTS * self.store._timeout_s
+
+    async def send(self, data: bytes) -> None:
+        """Write the next chunk (in call order).
+
+        Raises:
+            nats.js.errors.APIError: the stream refused a chunk (not a temporary failure).
+            StoreUnavailable: a chunk's retries ran out.
+            nats.errors.Error: a write failed (connection closed ...).
+        """
+        self.count += 1
+        headers = {HDR_MSG_ID: f"{self.token}.{self.count}"}
+        if self.careful:
+            await self._retried(data, headers)
+            return
+        ack = await self.store._acked.publish(self.subject, data, headers)
+        self.pending.append(_Sent(ack, self.subject, data, headers))
+        if len(self.pending) >= PUT_WINDOW:
+            await self._settle_one()
+
+    async def _retried(self, data: bytes, headers: dict[str, str]) -> None:
+        s = self.store
+        budget_s = self._budget_s()
+        await publish(s.js, self.subject, data, headers, what=self.what, budget_s=budget_s)
+
+    async def _settle_one(self) -> None:
+        """Await the oldest ack; after a temporary failure write it and every later chunk
+        not acknowledged again, one at a time, and stay careful.
+
+        Raises:
+            NATS_FAILURES: the ack failed for a reason that is not temporary (a refusal for
+                storage ...), re-raised.
+            StoreUnavailable: a retried write's retries ran out.
+        """
+        sent = self.pending.popleft()
+        try:
+            await asyncio.wait_for(sent.ack, self.store._timeout_s)
+            return
+        except NATS_FAILURES as e:
+            if not is_temporary(e):
+                raise
+            log.warning("%s: chunk write failed (%s); writing again", self.what, describe(e))
+        self.careful = True
+        await self._retried(sent.data, sent.headers)
+        while self.pending:
+            later = self.pending.popleft()
+            if later.ack.done() and not later.ack.cancelled() and later.ack.exception() is None:
+                continue  # stored
+            later.ack.cancel()
+            await self._retried(later.data, later.headers)
+
+    async def finish(self) -> None:
+        """Await every ack; after a retried write, check that the chunk set holds each
+        chunk once and in order (read from the stream leader).
+
+        Raises:
+            StoreUnavailable: a chunk's retries ran out, or the chunk set is out of order.
+            nats.js.errors.APIError: the stream refused a chunk.
+        """
+        while self.pending:
+            await self._settle_one()
+        if self.careful:
+            await self._check_order()
+
+    async def _check_order(self) -> None:
+        s = self.store
+        want = [f"{self.token}.{n}" for n in range(1, self.count + 1)]
+        got: list[str] = []
+        seq = 1
+        while len(got) <= len(want):
+            msg = await get_confirmed(
+                s.js,
+                s.stream,
+                self.subject,
+                what=self.what,
+                seq=seq,
+                settled=lambda _: False,  # the leader's answer, never a replica's
+                tries=READ_TRIES,
+                budget_s=self._budget_s(),
+            )
+            if msg is None:
+                break
+            assert msg.seq is not None
+            got.append((msg.headers or {}).get(HDR_MSG_ID, ""))
+            seq = msg.seq + 1
+        if got != want:
+            raise StoreUnavailable(
+                f"{self.what}: chunks stored out of order after a retried write ({len(got)} "
+                f"stored, {len(want)} sent)"
             )

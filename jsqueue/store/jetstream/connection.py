@@ -93,7 +93,11 @@ async def connect_nats(
     *,
     on_reconnected: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
-    """Connect to NATS; the connection then reconnects forever (node loss, restarts).
+    """Connect to NATS; the connection then reconnects forever (node loss, restarts), and
+    to another server of ``urls`` when the one it is connected to falls silent: no answer
+    to ``settings.max_outstanding_pings`` PINGs sent every ``settings.ping_interval_s``
+    seconds (a paused or cut-off node keeps its TCP connections open; without the PINGs
+    every request would time out on it until it resumed). Logs the server it connected to.
 
     Args:
         settings: credentials and timeouts.
@@ -127,6 +131,11 @@ async def connect_nats(
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": RECONNECT_WAIT_S,
+        # nats-py's defaults (a PING every 120 s, 2 unanswered) let a server that is alive
+        # but silent (SIGSTOP: measured, a front end answered 451 to every message for a
+        # whole 12 s pause) hold its clients for minutes; these notice it within seconds.
+        "ping_interval": settings.ping_interval_s,
+        "max_outstanding_pings": settings.max_outstanding_pings,
         "error_cb": on_error,
         "disconnected_cb": on_disconnected,
         "reconnected_cb": reconnected,
@@ -146,6 +155,7 @@ async def connect_nats(
         raise StoreUnavailable(
             f"cannot connect to NATS at {', '.join(urls)} within {budget_s:g} s: {cause}"
         ) from e
+    log.info("nats: connected to %s", nc.connected_url.netloc if nc.connected_url else "?")
     return nc
 
 

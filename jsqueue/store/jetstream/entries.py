@@ -36,6 +36,8 @@ from jsqueue.store.jetstream.api import (
     HDR_TTL,
     PUBLISH_ATTEMPTS,
     DirectBatch,
+    get_confirmed,
+    get_stored,
     is_wrong_last_seq,
     publish,
     stream_subjects,
@@ -102,13 +104,9 @@ class JetStreamEntryStore:
         return max(0, (self._nc.max_payload or 1024 * 1024) - KV_HEADER_ROOM)
 
     async def _last(self, queue_id: str, *, leader: bool = False) -> api.RawStreamMsg | None:
-        with translate(f"entry {queue_id}: read"):
-            try:
-                return await self.js.get_msg(
-                    self.stream, subject=self._pre + queue_id, direct=not leader
-                )
-            except nats.js.errors.NotFoundError:
-                return None
+        return await get_stored(
+            self.js, self.stream, self._pre + queue_id, what=f"entry {queue_id}", leader=leader
+        )
 
     async def _last_many(self, queue_ids: Sequence[str]) -> dict[str, api.RawStreamMsg]:
         """The last message of each key that has one (direct gets: not confirmed on the
@@ -157,7 +155,15 @@ class JetStreamEntryStore:
             # Refused: either someone else wrote, or an earlier try of ours that timed out
             # was stored after all (the check precedes dedupe on the server). Asked of the
             # stream leader: a follower's direct get may not have our write yet.
-            current = await self._last(queue_id, leader=True)
+            current = await get_confirmed(
+                self.js,
+                self.stream,
+                self._pre + queue_id,
+                what=f"entry {queue_id}",
+                settled=lambda _: False,  # the leader's answer, never a replica's
+                tries=PUBLISH_ATTEMPTS,
+                budget_s=budget_s,
+            )
             if current is not None and (current.headers or {}).get(HDR_MSG_ID) == msg_id:
                 assert current.seq is not None
                 return current.seq
@@ -214,9 +220,13 @@ class JetStreamEntryStore:
             StoreUnavailable: the read failed.
         """
         check_queue_id(queue_id)
-        msg = await self._last(queue_id)
-        if msg is None or _is_marker(msg):
-            msg = await self._last(queue_id, leader=True)
+        msg = await get_confirmed(
+            self.js,
+            self.stream,
+            self._pre + queue_id,
+            what=f"entry {queue_id}",
+            settled=lambda m: not _is_marker(m),
+        )
         if msg is None:
             raise EntryNotFound(queue_id)
         if _is_marker(msg):
