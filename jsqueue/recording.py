@@ -262,9 +262,12 @@ def _body_unavailable(reply: Reply) -> bool:
 
 
 class BodyReads:
-    """The body streams of one attempt (``open_``), noting whether the body store was
-    unavailable while one was read (:class:`~jsqueue.errors.StoreUnavailable`, raised once
-    the store's own retries and its reads from the stream leader ran out).
+    """The body streams of one attempt (``open_``, :func:`fenced`), noting whether the
+    queue's own trouble ended one before its final dot: the body store was unavailable
+    (:class:`~jsqueue.errors.StoreUnavailable`, raised once the store's own retries and its
+    reads from the stream leader ran out), or the fence withheld the dot
+    (:class:`~jsqueue.errors.LeaseLost`: this worker's presence beats failed in the same
+    outage, or it was paused past its lease).
 
     A "not found" or a corrupt body is not noted: the store confirmed it on the stream
     leader, so it is the mail's outcome and is recorded as usual.
@@ -272,21 +275,22 @@ class BodyReads:
 
     def __init__(self, open_: Callable[[], AsyncIterator[bytes]]) -> None:
         self._open = open_
-        self.failure: StoreUnavailable | None = None
+        self.failure: StoreUnavailable | LeaseLost | None = None
 
     async def open(self) -> AsyncIterator[bytes]:
-        """One stream of the body, as ``open_`` gives it; a StoreUnavailable is noted and
-        re-raised.
+        """One stream of the body, as ``open_`` gives it; a StoreUnavailable or LeaseLost
+        is noted and re-raised.
 
         Raises:
             StoreUnavailable: the body store failed (noted).
+            LeaseLost: the fence withheld the final dot (noted).
             Exception: whatever else the stream raises.
         """
         chunks = self._open()
         try:
             async for chunk in chunks:
                 yield chunk
-        except StoreUnavailable as e:
+        except (StoreUnavailable, LeaseLost) as e:
             self.failure = e
             raise
         finally:
@@ -295,9 +299,10 @@ class BodyReads:
     async def given_back(
         self, stores: Stores, due: Due, turn: cas.Turn, held: Versioned, delivery: Attempt
     ) -> bool:
-        """When the body store's outage was the attempt's only outcome (every recipient
-        got our "body could not be read" reply: nothing was sent, nothing refused), give
-        the destination back instead of recording the attempt: the lease is released and
+        """When the queue's own trouble (:attr:`failure`) was the attempt's only outcome
+        (every recipient got our "body could not be read" reply: nothing was sent, nothing
+        refused, RFC 5321 §4.1.1.4), give the destination back instead of recording the
+        attempt: the lease is released (unless another worker has it meanwhile) and
         the item NAKed with :data:`STORE_TROUBLE_RETRY_S`, so the mail is not deferred for
         a backoff step (``retry.base_s``) and no attempt is counted for the queue's own
         trouble. Otherwise nothing happens and the attempt is recorded as usual.
@@ -313,8 +318,8 @@ class BodyReads:
             return False
         domain = due.item.domain
         log.warning(
-            "queue %s %s: body store unavailable (%s); not counted as an attempt, tried "
-            "again in %g s",
+            "queue %s %s: no final dot (%s); the queue's own trouble, not counted as an "
+            "attempt, tried again in %g s",
             due.item.queue_id,
             domain,
             self.failure,

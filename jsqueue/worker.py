@@ -462,8 +462,8 @@ class Worker:
         recipients = entry.open_recipients(item.domain)
         heartbeat = asyncio.create_task(self._heartbeat(item.domain, held, turn))
         fence = partial(self._still_held, item.domain, held, turn)
-        reads = BodyReads(layout.delivery_body(self.stores, entry))  # notes store outages
-        body = BodySource(fenced(reads.open, fence), entry.size)
+        reads = BodyReads(fenced(layout.delivery_body(self.stores, entry), fence))
+        body = BodySource(reads.open, entry.size)  # (reads notes the queue's own trouble)
         try:
             delivery = await self.deliverer.deliver(entry, item.domain, recipients, body)
         finally:  # a lost cancellation would renew the lease after the delivery
@@ -471,7 +471,7 @@ class Worker:
         if self.sites is not None and gate.admission is not None:
             admission, gate.admission = gate.admission, None
             await self.sites.done(admission, delivery)
-        async with turn.lock:  # an outage of the body store alone is not recorded:
+        async with turn.lock:  # the queue's own trouble alone is not recorded:
             if not await reads.given_back(self.stores, due, turn, held.version, delivery):
                 await self._conclude(due, held, delivery, started, turn)
 

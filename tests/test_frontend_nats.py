@@ -23,7 +23,7 @@ from jsqueue.names import Names
 from jsqueue.nats_server import EmbeddedNats
 from jsqueue.store.base import Stores
 from jsqueue.store.jetstream import connect_nats, open_jetstream
-from jsqueue.store.jetstream.api import is_storage_full
+from jsqueue.store.jetstream.api import is_storage_full, is_temporary
 from support.frontend import (
     Wire,
     dot_stuff,
@@ -182,6 +182,27 @@ def test_which_refusals_are_storage_full(err_code: int, text: str, full: bool) -
     (RFC 3463 X.3.1): the server's, the account's and a stream's storage limits."""
     error = nats.js.errors.APIError(code=400, err_code=err_code, description=text)
     assert is_storage_full(error) is full
+
+
+@pytest.mark.parametrize(
+    ("code", "err_code", "text", "temporary"),
+    [
+        (409, 10158, "duplicate message id is in process", True),
+        (503, 0, "no response from stream", True),
+        (503, 10023, "insufficient resources", False),  # storage: 452 at once
+        (400, 10071, "wrong last sequence: 5", False),
+        (400, 10077, "maximum bytes exceeded", False),
+    ],
+)
+def test_which_refusals_a_write_retries(
+    code: int, err_code: int, text: str, temporary: bool
+) -> None:
+    """Refusals retried with the same message id until ``smtp.store_timeout_s``: an earlier
+    try of the same write still being applied (409, 10158: a fault soak saw 8 clients
+    refused 451 for it after a leader change) and a 503 without a stream leader; never a
+    refusal for storage or a lost compare-and-set."""
+    error = nats.js.errors.APIError(code=code, err_code=err_code, description=text)
+    assert is_temporary(error) is temporary
 
 
 async def fill_until_refused(

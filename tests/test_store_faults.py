@@ -297,7 +297,7 @@ async def test_a_body_store_outage_costs_the_mail_no_backoff_step(
                 load = await send_load("127.0.0.1", smtp, 1, SINK, clients=1)
                 [sent] = load.accepted().values()
                 # the attempt's end: given back (or, recorded, deferred)
-                ended = ("body store unavailable", "outcome=deferred")
+                ended = ("the queue's own trouble, not counted", "outcome=deferred")
                 await eventually(
                     lambda: any(e in caplog.text for e in ended), 60, what="a failed read"
                 )
@@ -352,7 +352,8 @@ async def test_failed_reconciler_passes_back_off(
         text = generate_latest(metrics.registry).decode()
         assert f"jsqueue_reconciler_failed_passes_total {float(rec.failed_passes)}" in text
         print(f"\nno quorum: {failed} failed reconciler passes in 6 s after the first")
-        assert 2 <= failed <= 6, failed
+        # (at most: a pass that waits out its requests' timeouts may take the whole window)
+        assert failed <= 6, failed
         passes = rec.passes
         await nats_cluster.node(2).start()
         await nats_cluster.node(3).start()

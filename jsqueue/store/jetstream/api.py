@@ -79,6 +79,10 @@ class ErrCode(IntEnum):
     CONSUMER_ALREADY_EXISTS = 10148
     #: ``JSStreamWrongLastSequenceConstantErr``: wrong last sequence (text without the seq).
     WRONG_LAST_SEQUENCE_CONSTANT = 10164
+    #: ``JSStreamDuplicateMessageConflict`` (409): duplicate message id is in process: a
+    #: write with this ``Nats-Msg-Id`` was proposed by the stream leader and not yet applied
+    #: (a try that timed out during an election); a retry gets its duplicate ack.
+    STREAM_DUPLICATE_MESSAGE_CONFLICT = 10158
 
 
 #: A compare-and-set on the subject's last sequence was refused.
@@ -174,7 +178,9 @@ def is_wrong_last_seq(e: BaseException) -> bool:
 
 
 def is_temporary(e: BaseException) -> bool:
-    """A failure worth retrying with the same message id: timeout, no responder, a 503.
+    """A failure worth retrying with the same message id: timeout, no responder, a 503, or
+    "duplicate message id is in process" (an earlier try of this very write, still being
+    applied: measured in a fault soak, 8 clients refused 451 after a leader change).
 
     A 503 for storage (:func:`is_storage_full`: nats-server answers a publish over its
     JetStream limits ``503 insufficient resources``) is not: seconds of retries do not
@@ -182,7 +188,11 @@ def is_temporary(e: BaseException) -> bool:
     """
     if isinstance(e, RETRYABLE):
         return True
-    return isinstance(e, nats.js.errors.APIError) and e.code == 503 and not is_storage_full(e)
+    if not isinstance(e, nats.js.errors.APIError):
+        return False
+    if e.err_code == ErrCode.STREAM_DUPLICATE_MESSAGE_CONFLICT:
+        return True
+    return e.code == 503 and not is_storage_full(e)
 
 
 async def api_request(nc: NATS, request: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
