@@ -105,10 +105,6 @@ INDEX_STRIDE = 1_000_000
 #: Settings shorter than the product's defaults, and why: a fault must not leave mail
 #: waiting longer than the quiet period of a short soak.
 SHORTENED = {
-    "nats.ack_wait_s=10 (60)": "a work item a killed worker held comes back after 10 s",
-    "worker.presence_grace_s=15 (30)": "a killed worker's leases are taken over after 15 s "
-    "(not shorter: a live worker's heartbeat can miss a NATS election of up to ~10 s, and "
-    "its record retries through an outage for half the grace)",
     "worker.lease_s=30 (600)": "a lease the presence check cannot clear runs out in 30 s",
     "worker.drain_timeout_s=10 (20)": "a SIGTERMed worker stops within 10 s",
     "retry.base_s=5, factor 1.5, max_delay_s=30 (300, 2, 4 h)": "a deferral for the "
@@ -121,13 +117,12 @@ SHORTENED = {
 def soak_settings(urls: list[str], dns: DnsServer, mx_port: int) -> Settings:
     """The settings every process shares (see :data:`SHORTENED`)."""
     return Settings(
-        nats=NatsSettings(urls=urls, replicas=3, ack_wait_s=10.0),
+        nats=NatsSettings(urls=urls, replicas=3),
         smtp=SmtpSettings(port=free_port(), max_sessions=1000),
         worker=WorkerSettings(
             mx_port=mx_port,
             nameservers=dns.nameservers,
             nameserver_port=dns.port,
-            presence_grace_s=15.0,
             lease_s=30.0,
             drain_timeout_s=10.0,
             connect_timeout_s=5.0,
