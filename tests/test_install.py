@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from support.mx import SmtpdMx, shared_port
+from support.mx import SmtpdMx
+from support.nats import up_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jsqueue"
@@ -126,23 +127,11 @@ async def test_a_plain_install_imports_every_module_and_delivers(tmp_path: Path)
     assert int(imported[1]) > 100
 
     async with SmtpdMx("127.0.0.1") as sink:
-        ports: set[int] = set()
-        while len(ports) < 3:
-            ports.add(shared_port(["127.0.0.1"]))
-        smtp_port, nats_port, http_port = sorted(ports)
-        up_env = {
-            **env,
-            "JSQUEUE_NATS__STORE_DIR": str(tmp_path / "nats"),
-            "JSQUEUE_NATS__PORT": str(nats_port),
-            "JSQUEUE_SMTP__PORT": str(smtp_port),
-            "JSQUEUE_HTTP__PORT": str(http_port),
-            "JSQUEUE_WORKER__SMARTHOST__HOST": "127.0.0.1",
-            "JSQUEUE_WORKER__SMARTHOST__PORT": str(sink.port),
-        }
+        jsqueue_env, smtp_port = up_env(tmp_path, env, sink.port)
         proc = await asyncio.create_subprocess_exec(
             str(venv / "bin" / "jsqueue"),
             "up",
-            env=up_env,
+            env=jsqueue_env,
             cwd=tmp_path,
             stderr=asyncio.subprocess.PIPE,
         )

@@ -17,7 +17,7 @@ from jsqueue.config import Settings, load_settings
 from jsqueue.errors import JsqueueError, StoreUnavailable
 from jsqueue.runtime import run_services
 from jsqueue.worker import Worker
-from support.mx import shared_port
+from support.nats import up_env
 
 
 def _children(pid: int) -> list[int]:
@@ -34,21 +34,9 @@ def _running(pid: int) -> bool:
 
 
 def _up_env(tmp_path: Path) -> tuple[dict[str, str], int]:
-    """Environment for ``jsqueue up`` on free loopback ports; and its SMTP port."""
-    ports: set[int] = set()
-    while len(ports) < 3:
-        ports.add(shared_port(["127.0.0.1"]))
-    smtp_port, nats_port, http_port = sorted(ports)
-    env = {
-        **os.environ,
-        "JSQUEUE_NATS__STORE_DIR": str(tmp_path / "nats"),
-        "JSQUEUE_NATS__PORT": str(nats_port),
-        "JSQUEUE_SMTP__PORT": str(smtp_port),
-        "JSQUEUE_HTTP__PORT": str(http_port),
-        "JSQUEUE_WORKER__SMARTHOST__HOST": "127.0.0.1",
-        "JSQUEUE_WORKER__SMARTHOST__PORT": "9",
-    }
-    return env, smtp_port
+    """Environment for ``jsqueue up`` on free loopback ports (no smarthost answers: port
+    9); and its SMTP port."""
+    return up_env(tmp_path, os.environ, 9)
 
 
 async def _send_when_up(smtp_port: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,7 @@ from jsqueue.store.jetstream import open_jetstream
 from jsqueue.store.jetstream.bodies import JetStreamBodyStore
 from jsqueue.store.layout import open_entry_body
 from jsqueue.store.memory import MemoryBodyStore, open_memory
+from support.mx import shared_port
 
 #: Ack wait of the test stores, seconds.
 ACK_WAIT_S = 2.0
@@ -199,3 +200,25 @@ def stores(request: pytest.FixtureRequest) -> Stores:
     fixture = "js_stores" if request.param == "jetstream" else "mem_stores"
     value: Stores = request.getfixturevalue(fixture)
     return value
+
+
+def up_env(
+    tmp_path: Path, base: Mapping[str, str], smarthost_port: int
+) -> tuple[dict[str, str], int]:
+    """``base`` plus the settings of a ``jsqueue up`` on free loopback ports (its NATS store
+    under ``tmp_path``), relaying to a smarthost at 127.0.0.1:``smarthost_port``; and its
+    SMTP port."""
+    ports: set[int] = set()
+    while len(ports) < 3:
+        ports.add(shared_port(["127.0.0.1"]))
+    smtp_port, nats_port, http_port = sorted(ports)
+    env = {
+        **base,
+        "JSQUEUE_NATS__STORE_DIR": str(tmp_path / "nats"),
+        "JSQUEUE_NATS__PORT": str(nats_port),
+        "JSQUEUE_SMTP__PORT": str(smtp_port),
+        "JSQUEUE_HTTP__PORT": str(http_port),
+        "JSQUEUE_WORKER__SMARTHOST__HOST": "127.0.0.1",
+        "JSQUEUE_WORKER__SMARTHOST__PORT": str(smarthost_port),
+    }
+    return env, smtp_port
