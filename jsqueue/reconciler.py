@@ -190,7 +190,6 @@ class Reconciler:
         names: object names.
         clock: returns the current aware UTC time.
         slice_s: work between two rests of a regular pass, seconds (:class:`Pacer`).
-
         rng: the jitter source of the pause after a failed pass.
 
     Attributes:
